@@ -1,0 +1,58 @@
+"""What the engine hands back, shaped like vLLM's outputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request.
+
+    From ``LLMEngine.step()`` this is a delta: ``token_ids`` and ``text`` are what
+    is new since the previous step, and ``first_token_index`` is the index (among
+    this sample's output tokens) of ``token_ids[0]``. From ``LLM.generate`` it is
+    the whole output and ``first_token_index`` is 0.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    first_token_index: int = 0
+    cumulative_logprob: float | None = None
+    # per output token: {token_id: logprob} for the sampled token and the top-k
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    # set when the request ended with an error instead of output (never raised inside step())
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float  # fraction of blocks in use
+    kv_waste: float  # fraction of allocated slots holding no token
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_generated_tokens: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
