@@ -1,0 +1,198 @@
+"""Pure torch references for every kernel in this package.
+
+The engine runs these on the CPU (and with PAGESTREAM_KERNELS=torch); the tests
+check the Triton kernels against them, and the references themselves against a
+naive dense attention. They are vectorised within a sequence (attention loops
+over sequences in python only for prefill), so the engine's CPU tests stay fast.
+
+Cache layout, shared with the Triton kernels:
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot = block_id * block_size + offset_in_block
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "store_kvcache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "compute_cos_sin_cache",
+]
+
+
+def store_kvcache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int32/int64, -1 = skip
+) -> None:
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.to(torch.long)
+    keep = slots >= 0
+    slots = slots[keep]
+    block_ids = slots // block_size
+    offsets = slots % block_size
+    k_cache[block_ids, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[block_ids, offsets] = value[keep].to(v_cache.dtype)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    # cache: [num_blocks, block_size, kvh, d]; block_table: [max_blocks] -> [num_tokens, kvh, d]
+    block_size = cache.shape[1]
+    num_blocks = (num_tokens + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].to(torch.long)
+    return cache[blocks].reshape(num_blocks * block_size, *cache.shape[2:])[:num_tokens]
+
+
+def _expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    # x: [..., kvh, seq, d]; query head h uses kv head h // (num_heads // kvh)
+    group = num_heads // x.shape[-3]
+    return x if group == 1 else x.repeat_interleave(group, dim=-3)
+
+
+def _check_gqa(num_heads: int, num_kv_heads: int) -> None:
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, tokens in cache incl. the current one
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
+    _check_gqa(num_heads, num_kv_heads)
+    if num_seqs == 0:
+        return torch.empty_like(q)
+    max_len = int(context_lens.max())
+    nb = (max_len + block_size - 1) // block_size
+    # Entries past a sequence's last block may be garbage: clamp, then mask.
+    blocks = block_tables[:, :nb].to(torch.long).clamp(0, num_blocks_total - 1)
+    k = k_cache[blocks].reshape(num_seqs, nb * block_size, num_kv_heads, head_dim)
+    v = v_cache[blocks].reshape(num_seqs, nb * block_size, num_kv_heads, head_dim)
+    k = _expand_kv_heads(k.transpose(1, 2).float(), num_heads)  # [S, H, T, d]
+    v = _expand_kv_heads(v.transpose(1, 2).float(), num_heads)
+    pos = torch.arange(nb * block_size, device=q.device)
+    mask = pos[None, :] < context_lens.to(q.device, torch.long)[:, None]  # [S, T]
+    out = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale
+    )  # [S, H, 1, d]
+    return out.squeeze(2).to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, tokens in cache incl. the new ones
+    scale: float,
+    max_seqlen_q: int | None = None,  # unused here; the Triton kernel takes it for its grid
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    _check_gqa(num_heads, num_kv_heads)
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    ctx = context_lens.tolist()
+    for i in range(len(ctx)):
+        start, end = cu[i], cu[i + 1]
+        q_len, ctx_len = end - start, ctx[i]
+        if q_len == 0:
+            continue
+        if q_len > ctx_len:
+            raise ValueError(f"sequence {i}: {q_len} queries but only {ctx_len} context tokens")
+        k = _gather_kv(k_cache, block_tables[i], ctx_len).transpose(0, 1).float()  # [kvh, T, d]
+        v = _gather_kv(v_cache, block_tables[i], ctx_len).transpose(0, 1).float()
+        k = _expand_kv_heads(k, num_heads)
+        v = _expand_kv_heads(v, num_heads)
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, T]
+        o = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1).float(), k, v, attn_mask=mask, scale=scale
+        )  # [H, q_len, d]
+        out[start:end] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    # HF Llama: the residual add happens in the activation dtype, the norm in fp32.
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] fp32: cos | sin
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rotary_dim = cos_sin_cache.shape[1]
+    half = rotary_dim // 2
+    cs = cos_sin_cache[positions.to(torch.long)]  # [num_tokens, rotary_dim]
+    cos = torch.cat([cs[:, :half], cs[:, :half]], dim=-1)[:, None, :]
+    sin = torch.cat([cs[:, half:], cs[:, half:]], dim=-1)[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        # As HF: cos/sin cast to the activation dtype, math in that dtype.
+        xr, xpass = x[..., :rotary_dim], x[..., rotary_dim:]
+        x1, x2 = xr[..., :half], xr[..., half:]
+        rot = torch.cat([-x2, x1], dim=-1)
+        out = xr * cos.to(x.dtype) + rot * sin.to(x.dtype)
+        return out if xpass.shape[-1] == 0 else torch.cat([out, xpass], dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def compute_cos_sin_cache(
+    head_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict | None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:  # [max_position, head_dim] fp32: cos | sin
+    """cos/sin table as transformers builds it (default and "llama3" rope types)."""
+    dim = head_dim
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+    rope_type = "default"
+    if rope_scaling is not None:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "llama3":
+        factor = rope_scaling["factor"]
+        low_freq_factor = rope_scaling["low_freq_factor"]
+        high_freq_factor = rope_scaling["high_freq_factor"]
+        old_context_len = rope_scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+        is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+    elif rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported; allowed: 'default', 'llama3'")
+    positions = torch.arange(max_position, device=device, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
