@@ -1,0 +1,278 @@
+"""Wire schema of the queue path: what producers submit and what workers hand back.
+
+Everything here is pydantic v2 and free of torch/engine imports, so a web
+backend validates a job with the same rules the worker applies. Bad input
+raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field and
+what is allowed.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: bump when a change to JobRequest/TokenEvent/JobResult is not backward compatible
+SCHEMA_VERSION = 1
+
+# Job ids become part of key names and a hash tag: no braces, no whitespace.
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$"
+
+
+class JobStatus(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def is_final(self) -> bool:
+        return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+class Lane(str, Enum):
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+
+def _check_utf8(value: str, what: str) -> str:
+    # A str with lone surrogates (e.g. from bytes decoded with surrogateescape) cannot go
+    # on the wire as UTF-8; say so here instead of failing inside redis-py.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid UTF-8 text (position {exc.start}): {exc.reason}") from None
+    return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+    @field_validator("content")
+    @classmethod
+    def _utf8(cls, v: str) -> str:
+        return _check_utf8(v, "message content")
+
+
+class SamplingOptions(BaseModel):
+    """Mirror of ``engine.SamplingParams`` with the same ranges, checked at submit time."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(1, ge=1, le=16)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    max_tokens: int | None = Field(16, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_utf8(cls, v: list[str] | None) -> list[str] | None:
+        for s in v or []:
+            _check_utf8(s, "stop string")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and any(t < 0 for t in v):
+            raise ValueError(f"stop_token_ids must be >= 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> SamplingOptions:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``engine.SamplingParams``."""
+        return self.model_dump()
+
+
+SAMPLING_FIELDS = frozenset(SamplingOptions.model_fields)
+
+
+class OutputTarget(BaseModel):
+    """Where a job's output goes: per-job Redis streams, or a bulk sink (S3 or a local dir)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["redis", "bulk"] = "redis"
+    bulk_id: str | None = None
+    custom_id: str | None = None
+    uri: str | None = None  # s3://bucket/prefix or a local directory
+
+    @model_validator(mode="after")
+    def _bulk_needs_id(self) -> OutputTarget:
+        if self.kind == "bulk" and not self.bulk_id:
+            raise ValueError("output.kind='bulk' needs output.bulk_id")
+        return self
+
+
+class JobRequest(BaseModel):
+    """One prompt job as it travels through a lane stream.
+
+    Exactly one of ``prompt``, ``messages`` (chat, the model's template is applied
+    by the worker) or ``prompt_token_ids`` is given. Sampling fields may be passed
+    flat (``JobRequest(prompt="hi", max_tokens=8)``) or as ``sampling=...``.
+    ``ttl_s`` is turned into an absolute ``deadline`` (unix seconds) at creation;
+    a job whose deadline passed before a worker starts it ends as ``expired``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    job_id: str = Field(default_factory=lambda: uuid.uuid4().hex, pattern=JOB_ID_PATTERN)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingOptions = Field(default_factory=SamplingOptions)
+    model: str | None = None
+    lane: Lane = Lane.NORMAL
+    priority: int = 0  # inside a lane: lower runs first in the engine's waiting queue
+    created_at: float = Field(default_factory=time.time)
+    deadline: float | None = None
+    ttl_s: float | None = Field(None, gt=0)
+    result_ttl_s: int = Field(24 * 3600, ge=1)
+    output: OutputTarget = Field(default_factory=OutputTarget)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hoist_flat_sampling(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            flat = {k: data[k] for k in data if k in SAMPLING_FIELDS}
+            if flat:
+                data = {k: v for k, v in data.items() if k not in SAMPLING_FIELDS}
+                nested = data.get("sampling") or {}
+                if isinstance(nested, BaseModel):
+                    nested = nested.model_dump(exclude_unset=True)
+                data["sampling"] = {**nested, **flat}
+        return data
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v > SCHEMA_VERSION or v < 1:
+            raise ValueError(f"schema_version {v} is not supported (this build speaks 1..{SCHEMA_VERSION})")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_utf8(cls, v: str | None) -> str | None:
+        return None if v is None else _check_utf8(v, "prompt")
+
+    @field_validator("prompt_token_ids")
+    @classmethod
+    def _ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("prompt_token_ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _one_input(self) -> JobRequest:
+        given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if self.ttl_s is not None and self.deadline is None:
+            self.deadline = self.created_at + self.ttl_s
+        return self
+
+    def is_expired(self, now: float | None = None) -> bool:
+        return self.deadline is not None and (now if now is not None else time.time()) > self.deadline
+
+
+class TokenEvent(BaseModel):
+    """A delta of one sample: ``token_ids`` start at output index ``index``.
+
+    Concatenating ``text`` of all events of a sample (in index order, each index
+    once) gives the final text. ``text`` can lag the tokens (partial UTF-8 or stop
+    strings are held back) and the last event may carry text but no tokens.
+    """
+
+    job_id: str
+    sample: int = 0
+    index: int
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def end_index(self) -> int:
+        return self.index + len(self.token_ids)
+
+
+class SampleResult(BaseModel):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+class JobResult(BaseModel):
+    """Final outcome of a job. For n > 1 the fields at top level are sample 0's."""
+
+    schema_version: int = SCHEMA_VERSION
+    job_id: str
+    status: JobStatus
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    outputs: list[SampleResult] = Field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    worker: str | None = None
+    deliveries: int = 0
+    resumed_from: int = 0  # output tokens taken over from an earlier delivery
+    created_at: float | None = None
+    started_at: float | None = None
+    finished_at: float = Field(default_factory=time.time)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == JobStatus.COMPLETED
+
+
+class DeadLetter(BaseModel):
+    """What the dead-letter stream keeps about a job (the raw payload rides beside it)."""
+
+    lane: str
+    entry_id: str
+    job_id: str | None = None
+    reason: str
+    deliveries: int = 1
+    worker: str | None = None
+    at: float = Field(default_factory=time.time)
