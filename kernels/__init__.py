@@ -2,17 +2,25 @@
 
     from kernels import paged_decode_attention, paged_prefill_attention, store_kvcache, rms_norm, rotary_embedding
 
-These names are the Triton wrappers (CUDA tensors only); `kernels.reference`
-holds the same functions in plain torch. `use_triton(device)` is the rule the
-engine picks by: Triton on CUDA unless PAGESTREAM_KERNELS=torch. Importing this
-package launches nothing; triton itself is imported on first use of a wrapper.
+These names are the Triton wrappers (CUDA tensors; CPU only under
+TRITON_INTERPRET=1); `kernels.reference` holds the same functions in plain
+torch. `use_triton(device)` is the rule the engine picks by: Triton on CUDA
+unless PAGESTREAM_KERNELS=torch. Importing this package compiles and launches
+nothing.
 """
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
+
+# Imported eagerly, after which each name below is the function and no longer
+# the submodule of the same name (`kernels.rms_norm` is callable).
+from kernels.paged_decode_attention import paged_decode_attention
+from kernels.paged_prefill_attention import paged_prefill_attention
+from kernels.rms_norm import rms_norm
+from kernels.rotary import rotary_embedding
+from kernels.store_kvcache import store_kvcache
 
 __all__ = [
     "use_triton",
@@ -23,26 +31,9 @@ __all__ = [
     "rotary_embedding",
 ]
 
-_WRAPPERS = {
-    "store_kvcache": "kernels.store_kvcache",
-    "paged_decode_attention": "kernels.paged_decode_attention",
-    "paged_prefill_attention": "kernels.paged_prefill_attention",
-    "rms_norm": "kernels.rms_norm",
-    "rotary_embedding": "kernels.rotary",
-}
-
 
 def use_triton(device: torch.device | str) -> bool:
     """True when the Triton kernels should run on `device`: CUDA, and PAGESTREAM_KERNELS is not "torch"."""
     if os.environ.get("PAGESTREAM_KERNELS", "").strip().lower() == "torch":
         return False
     return torch.device(device).type == "cuda"
-
-
-def __getattr__(name: str):
-    # Lazy so that `import kernels` stays cheap and needs no triton on a CPU-only install.
-    if name in _WRAPPERS:
-        fn = getattr(importlib.import_module(_WRAPPERS[name]), name)
-        globals()[name] = fn
-        return fn
-    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

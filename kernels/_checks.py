@@ -1,0 +1,53 @@
+"""Argument checks shared by the kernel wrappers: real errors on bad input, before any launch."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def check_tensor(name: str, t: torch.Tensor, ndim: int, dtypes=FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} dtype {t.dtype} not supported; allowed: {', '.join(map(str, dtypes))}")
+    if not t.is_cuda and not interpreting():
+        raise ValueError(f"{name} must be a CUDA tensor (use kernels.reference on {t.device})")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have stride 1 in its last dim, got strides {t.stride()}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
+def check_head_dim(head_dim: int) -> None:
+    if not is_pow2(head_dim) or not 16 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+
+
+def check_block_size(block_size: int) -> None:
+    if not is_pow2(block_size) or not 1 <= block_size <= 1024:
+        raise ValueError(f"block_size must be a power of two in [1, 1024], got {block_size}")

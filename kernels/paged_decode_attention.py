@@ -1,0 +1,212 @@
+"""Decode attention over the paged KV cache: one query token per sequence.
+
+One program serves all query heads of one KV head (GQA packed into the rows of
+one tl.dot), walks its share of the sequence's context in tiles of BLOCK_N
+tokens gathered through the block table (so the tile is independent of the
+cache's block_size), and keeps an online softmax in fp32. Long contexts are
+split over NUM_SPLITS programs per (sequence, KV head), each taking an equal
+share of that sequence's own context length, and a second kernel merges the
+partial results (flash-decoding). No host sync: the split count depends only
+on tensor shapes, so the launch can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import (
+    check_block_size,
+    check_head_dim,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_tensor,
+    is_pow2,
+    next_pow2,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+    scale_log2e,
+    stride_qs, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bts,
+    stride_os, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_len = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    seq64 = seq.to(tl.int64)
+    q = tl.load(q_ptr + seq64 * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + seq64 * stride_bts
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    for tok0 in range(start, end, BLOCK_N):
+        toks = tok0 + offs_n
+        valid = toks < end
+        blocks = tl.load(bt_row + toks // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        in_block = toks % BLOCK_SIZE
+        k = tl.load(k_head + (blocks * stride_kb + in_block * stride_kt)[:, None] + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + (blocks * stride_vb + in_block * stride_vt)[:, None] + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + seq64 * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        # partials: [num_seqs, num_heads, NUM_SPLITS(, HEAD_DIM)], contiguous fp32
+        row = (seq64 * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+        tl.store(part_m_ptr + row, m_i, mask=g_mask)
+        tl.store(part_l_ptr + row, l_i, mask=g_mask)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    part_out_ptr, part_m_ptr, part_l_ptr, out_ptr,
+    stride_os, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < NUM_SPLITS
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_m_ptr + row, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # context_len 0: all splits empty, output 0
+    w = tl.exp2(m - m_max)
+    acc = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    num = tl.sum(acc * w[:, None], 0)
+    den = tl.sum(l * w, 0)
+    out = num / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
+    """Enough programs to fill the chip a few times over, never a split shorter than 4 tiles."""
+    base = max(1, num_seqs * num_kv_heads)
+    want = triton.cdiv(4 * num_sms, base)
+    cap = max(1, max_context // (4 * block_n))
+    return max(1, min(want, cap, 64))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, tokens in cache incl. the current one
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    check_tensor("q", q, 3)
+    check_tensor("k_cache", k_cache, 4)
+    check_tensor("v_cache", v_cache, 4)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_tensor("context_lens", context_lens, 1, (torch.int32,))
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
+        check_last_dim_contiguous(name, t)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens)
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q/k_cache/v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} / context_lens {tuple(context_lens.shape)} "
+                         f"do not match {num_seqs} sequences")
+    check_head_dim(head_dim)
+    check_block_size(block_size)
+    group = num_heads // num_kv_heads
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    if not is_pow2(block_n) or block_n < 16:
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, block_n, _num_sms(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    if num_splits > 1:
+        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_out = part_m = part_l = out  # unused
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens,
+        out, part_out, part_m, part_l,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, NUM_HEADS=num_heads,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or 4, num_stages=num_stages or 3,
+    )
+    if num_splits > 1:
+        _paged_decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_m, part_l, out,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
+            num_warps=4,
+        )
+    return out
