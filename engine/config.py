@@ -1,0 +1,80 @@
+"""Engine configuration: one dataclass, checked on construction (no torch here)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs to start.
+
+    KV cache size: ``num_kv_blocks`` wins when given. Otherwise on CUDA the pool
+    takes ``gpu_memory_utilization`` of the device's memory minus weights and
+    activations; on CPU it takes ``kv_cache_bytes``.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.85
+    kv_cache_bytes: int = 512 * 2**20
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"  # "auto" | "dummy" (random weights at the model's real shapes)
+    seed: int = 0
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    # filled in __post_init__
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        path = Path(os.path.expanduser(str(self.model)))
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(
+                f"unknown model {self.model!r}: expected a directory with config.json "
+                "(an HF model directory written with save_pretrained)"
+            )
+        self.model = str(path)
+        self.hf_config = {**json.loads(config_file.read_text()), **self.hf_overrides}
+        archs = self.hf_config.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"model {self.model!r} has architectures {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        model_max = int(self.hf_config.get("max_position_embeddings", 2048))
+        if self.max_model_len is None:
+            self.max_model_len = model_max
+        if not 2 <= self.max_model_len <= model_max:
+            raise ValueError(f"max_model_len must be in [2, {model_max}] for this model, got {self.max_model_len}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model

@@ -1,0 +1,300 @@
+"""The engine's step: requests in, incremental outputs out. The one engine API the worker uses."""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    arrival_time: float
+    first_token_time: float | None = None
+    # per sample: index of the first output token not yet reported, logprobs not yet reported
+    reported: list[int] = field(default_factory=list)
+    pending_logprobs: list[list[dict[int, float]]] = field(default_factory=list)
+    cumulative_logprob: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+def _load_tokenizer(path: str):
+    if not (os.path.isfile(os.path.join(path, "tokenizer.json")) or os.path.isfile(os.path.join(path, "tokenizer_config.json"))):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gen_file = os.path.join(config.model, "generation_config.json")
+    sources = [config.hf_config.get("eos_token_id")]
+    if os.path.isfile(gen_file):
+        sources.append(json.loads(open(gen_file).read()).get("eos_token_id"))
+    if tokenizer is not None:
+        sources.append(tokenizer.eos_token_id)
+    for src in sources:
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list):
+            ids.update(i for i in src if isinstance(i, int))
+    return ids
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    ``add_request`` checks its input and raises ``ValueError`` on anything bad;
+    ``step`` runs one forward pass and returns incremental ``RequestOutput``s.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        from engine.model_runner import ModelRunner  # torch lives below this line
+
+        self.config = config if config is not None else EngineConfig(**kwargs)
+        self.tokenizer = _load_tokenizer(self.config.tokenizer_path)
+        self.eos_token_ids = _eos_token_ids(self.config, self.tokenizer)
+        self.runner = ModelRunner(self.config, self.eos_token_ids)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.max_model_len
+        )
+        self.vocab_size = self.runner.vocab_size
+        self._requests: dict[str, _Request] = {}
+        self._arrival = itertools.count()
+        self._aborted_outputs: list[RequestOutput] = []
+        self.num_generated_tokens = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    # ---- input -------------------------------------------------------------------
+    def _tokenize(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("a request needs a prompt or prompt_token_ids")
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.config.model} has no tokenizer: pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("the prompt is empty: it must have at least 1 token")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
+        return ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        resume_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request. ``resume_token_ids`` are output tokens already produced
+        (by a worker that died): they are re-prefilled, count toward max_tokens, and
+        their text counts as already emitted."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = self._tokenize(prompt, prompt_token_ids)
+        max_len = self.config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {max_len}: "
+                f"a prompt may have at most {max_len - 1} tokens"
+            )
+        resume = list(resume_token_ids or [])
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in resume):
+            raise ValueError(f"resume_token_ids must be integers in [0, {self.vocab_size})")
+        if len(ids) + len(resume) >= max_len:
+            raise ValueError(f"prompt + resumed tokens ({len(ids) + len(resume)}) must stay below max_model_len {max_len}")
+        need = self.block_manager.blocks_needed(len(ids) + len(resume) + 1)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt needs {need} KV blocks but the whole pool has {self.block_manager.num_blocks}; "
+                "shorten it or give the engine more KV memory"
+            )
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({self.config.max_num_seqs})")
+        if params.n > 1 and resume:
+            raise ValueError("resume_token_ids is only supported with n == 1")
+
+        arrival = next(self._arrival)
+        seqs, detoks = [], []
+        for i in range(params.n):
+            seq = Sequence(
+                seq_id=f"{request_id}#{i}",
+                request_id=request_id,
+                sample_index=i,
+                token_ids=ids + resume,
+                num_prompt_tokens=len(ids),
+                params=params,
+                arrival_order=arrival,
+                priority=priority,
+                wait_for=seqs[0] if i > 0 and self.config.enable_prefix_caching else None,
+            )
+            detok = IncrementalDetokenizer(self.tokenizer, params)
+            for t in resume:
+                detok.add_token(t)
+            detok.take_delta(finished=False)  # text of resumed tokens counts as emitted
+            seqs.append(seq)
+            detoks.append(detok)
+        req = _Request(request_id, prompt, ids, params, seqs, detoks, time.monotonic())
+        req.reported = [len(resume)] * params.n
+        req.pending_logprobs = [[] for _ in range(params.n)]
+        req.cumulative_logprob = [0.0] * params.n
+        self._requests[request_id] = req
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.config.model} has no tokenizer, so no chat template")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"the tokenizer of {self.config.model} has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def add_chat_request(self, request_id: str, messages: list[dict], params: SamplingParams | None = None, **kwargs) -> None:
+        self.add_request(request_id, prompt_token_ids=self.apply_chat_template(messages), params=params, **kwargs)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its final output says 'abort'."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "abort")
+        self._aborted_outputs.append(self._make_output(req))
+        del self._requests[request_id]
+        return True
+
+    # ---- the step ------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._aborted_outputs)
+
+    def num_admittable(self) -> int:
+        """How many new requests the engine would start on now (0 while some still wait)."""
+        if self.scheduler.waiting:
+            return 0
+        return max(0, self.config.max_num_seqs - len(self.scheduler.running))
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        seqs, sampled = self.runner.execute(sched)
+        self.scheduler.update_from_output(sched)
+        touched: dict[str, _Request] = {}
+        now = time.monotonic()
+        for i, seq in enumerate(seqs):
+            token = sampled.token_ids[i]
+            req = self._requests[seq.request_id]
+            req.first_token_time = req.first_token_time or now
+            seq.token_ids.append(token)
+            self.num_generated_tokens += 1
+            if sampled.logprobs[i] is not None:
+                chosen, top = sampled.logprobs[i]
+                req.pending_logprobs[seq.sample_index].append(top)
+                req.cumulative_logprob[seq.sample_index] += chosen
+            self._check_stop(seq, req.detoks[seq.sample_index], token)
+            touched[req.request_id] = req
+        for req in touched.values():
+            outputs.append(self._make_output(req))
+            if req.finished:
+                del self._requests[req.request_id]
+        return outputs
+
+    def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> None:
+        p = seq.params
+        stopped_by_string = detok.add_token(token)
+        if stopped_by_string:
+            self.scheduler.finish(seq, "stop", detok.stop_reason)
+            return
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                self.scheduler.finish(seq, "stop", None)
+                return
+            if token in p.stop_token_ids:
+                self.scheduler.finish(seq, "stop", token)
+                return
+        if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.config.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _make_output(self, req: _Request) -> RequestOutput:
+        completions = []
+        for i, (seq, detok) in enumerate(zip(req.seqs, req.detoks)):
+            start = req.reported[i]
+            new_ids = seq.output_token_ids[start:]
+            req.reported[i] = seq.num_output_tokens
+            lps, req.pending_logprobs[i] = req.pending_logprobs[i], []
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=detok.take_delta(seq.is_finished),
+                    token_ids=new_ids,
+                    first_token_index=start,
+                    cumulative_logprob=req.cumulative_logprob[i] if seq.params.logprobs is not None else None,
+                    logprobs=lps if seq.params.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["time_to_first_token"] = req.first_token_time - req.arrival_time
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished, metrics=metrics)
+
+    # ---- stats ----------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            kv_usage=bm.usage,
+            kv_waste=bm.waste(self.scheduler.running),
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_generated_tokens=self.num_generated_tokens,
+        )

@@ -1,0 +1,182 @@
+"""Owns every device tensor: weights, the KV pool, step inputs. Takes a
+SchedulerOutput, returns sampled token ids."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig
+from engine.layers.attention import AttentionMetadata
+from engine.loader import build_model
+from engine.sampler import Sampler, SamplerOutput
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+from kernels.reference import compute_cos_sin_cache
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu'")
+    return torch.device(name)
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = config.hf_config.get("torch_dtype") or config.hf_config.get("dtype") or "bfloat16"
+    dtype = _DTYPES.get(str(ckpt).replace("torch.", ""), torch.bfloat16)
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config, self.device)
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        self.model = build_model(config.hf_config, self.dtype, self.device, config.load_format, config.model, config.seed)
+        self.vocab_size = int(config.hf_config["vocab_size"])
+        self.num_layers = len(self.model.attention_layers())
+        self.num_kv_heads = self.model.num_kv_heads
+        self.head_dim = self.model.head_dim
+        self.cos_sin_cache = compute_cos_sin_cache(
+            self.head_dim, config.max_model_len, self.model.rope_theta, self.model.rope_scaling, self.device
+        )  # [max_model_len, head_dim] fp32
+        self.num_blocks = self._num_kv_blocks()
+        # [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.empty(
+            2, self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache = self.kv_cache[0, i]
+            attn.v_cache = self.kv_cache[1, i]
+        self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
+
+    # ---- sizing --------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if self.device.type == "cpu":
+            budget = cfg.kv_cache_bytes
+        else:
+            budget = self._profile_free_bytes()
+        num = budget // self.bytes_per_block
+        if num < 1:
+            raise ValueError(
+                f"no room for a single KV block ({self.bytes_per_block} bytes) in a budget of {budget} bytes; "
+                "raise gpu_memory_utilization / kv_cache_bytes"
+            )
+        return int(num)
+
+    def _profile_free_bytes(self) -> int:
+        """Memory left for the KV pool after weights and a full-budget forward pass."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        cfg = self.config
+        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
+        seq_len = min(num_tokens, cfg.max_model_len)
+        num_seqs = max(1, num_tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        tmp = torch.empty(2, num_seqs * blocks_per_seq, self.block_size, self.num_kv_heads, self.head_dim,
+                          dtype=self.dtype, device=self.device)
+        for attn in self.model.attention_layers():
+            attn.k_cache, attn.v_cache = tmp[0], tmp[1]
+        ids = torch.zeros(num_seqs * seq_len, dtype=torch.long, device=self.device)
+        pos = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_seqs * seq_len, device=self.device).view(num_seqs, seq_len)
+            + (torch.arange(num_seqs, device=self.device) * (blocks_per_seq * self.block_size - seq_len))[:, None],
+            block_tables=torch.arange(num_seqs * blocks_per_seq, device=self.device, dtype=torch.int32).view(num_seqs, -1),
+            context_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32, device=self.device),
+            max_seqlen_q=seq_len,
+            decode_only=False,
+        )
+        meta.slot_mapping = meta.slot_mapping.reshape(-1)
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, meta, self.cos_sin_cache)
+            self.model.compute_logits(hidden[-min(num_tokens, cfg.max_num_seqs):]).float()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del tmp, hidden
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = None
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free, _ = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * cfg.gpu_memory_utilization) - peak - max(used_by_others, 0)
+        logger.info("KV budget %.2f GiB (peak %.2f GiB)", budget / 2**30, peak / 2**30)
+        return budget
+
+    # ---- the step ---------------------------------------------------------------
+    def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        cu_seqlens = [0]
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        max_q = 0
+        for seq, n in sched.num_scheduled_tokens.items():
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu_seqlens.append(cu_seqlens[-1] + n)
+            context_lens.append(end)
+            tables.append(table)
+            max_q = max(max_q, n)
+            if end == seq.num_tokens:
+                sample_rows.append(cu_seqlens[-1] - 1)
+                sample_seqs.append(seq)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping, torch.long),
+            block_tables=self._tensor(padded, torch.int32),
+            context_lens=self._tensor(context_lens, torch.int32),
+            cu_seqlens_q=self._tensor(cu_seqlens, torch.int32),
+            max_seqlen_q=max_q,
+            decode_only=max_q == 1,
+        )
+        return self._tensor(input_ids, torch.long), self._tensor(positions, torch.long), meta, sample_rows, sample_seqs
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput | None]:
+        """Run one forward pass; sample for the sequences that caught up."""
+        input_ids, positions, meta, sample_rows, sample_seqs = self.prepare(sched)
+        hidden = self.model(input_ids, positions, meta, self.cos_sin_cache)  # [num_tokens, hidden]
+        if not sample_seqs:
+            return [], None
+        rows = self._tensor(sample_rows, torch.long)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_sample, vocab]
+        return sample_seqs, self.sampler(logits, sample_seqs)

@@ -1,0 +1,141 @@
+"""Turns logits into tokens: penalties, min_tokens, greedy or temperature/top-k/top-p/min-p,
+per-request seeds, logprobs. One host transfer (the sampled ids) per step."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+
+
+def seeded_draw_seed(seed: int, sample_index: int, token_index: int) -> int:
+    """The RNG seed for one draw: depends on nothing but (seed, sample, position),
+    so a request samples the same alone, in any batch, or resumed on another worker."""
+    digest = hashlib.blake2b(f"{seed}:{sample_index}:{token_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: None, or (logprob of the sampled token, {token_id: logprob} of the top-k)
+    logprobs: list[tuple[float, dict[int, float]] | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._seeded = torch.Generator(device=device)
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        # logits: [num_seqs, vocab] float32 (the model's raw output for each row's last position)
+        params = [s.params for s in seqs]
+        logits = logits[:, : self.vocab_size].float()
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+        if any(p.uses_penalties for p in params):
+            logits = self._apply_penalties(logits.clone(), seqs)
+        logits = self._apply_min_tokens(logits, seqs)
+
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, seqs, greedy)
+        token_ids = tokens.tolist()  # the step's one device->host sync
+
+        logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(seqs)
+        if want_logprobs:
+            for i, p in enumerate(params):
+                if p.logprobs is None:
+                    continue
+                row = raw_logprobs[i]
+                top = {}
+                if p.logprobs > 0:
+                    vals, idx = row.topk(p.logprobs)
+                    top = dict(zip(idx.tolist(), vals.tolist()))
+                chosen = float(row[token_ids[i]])
+                top[token_ids[i]] = chosen
+                logprobs[i] = (chosen, top)
+        return SamplerOutput(token_ids, logprobs)
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if not p.uses_penalties:
+                continue
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device, dtype=torch.long)
+                seen = seen[seen < vocab]
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if p.presence_penalty or p.frequency_penalty:
+                out = torch.tensor(seq.output_token_ids, device=logits.device, dtype=torch.long)
+                if out.numel():
+                    counts = torch.bincount(out[out < vocab], minlength=vocab).to(logits.dtype)
+                    logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows, cols = [], []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if seq.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids or [])
+                if not p.ignore_eos:
+                    banned |= self.eos_token_ids
+                for t in banned:
+                    if t < logits.shape[1]:
+                        rows.append(i)
+                        cols.append(t)
+        if rows:
+            logits = logits.clone()
+            logits[rows, cols] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        dev = logits.device
+        n, vocab = logits.shape
+        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev)
+        x = logits / temps[:, None]
+
+        top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
+            sorted_x, sorted_idx = x.sort(dim=-1, descending=True)
+            ks = torch.tensor(top_k, device=dev)
+            sorted_x = sorted_x.masked_fill(torch.arange(vocab, device=dev)[None, :] >= ks[:, None], float("-inf"))
+            ps = torch.tensor(top_p, device=dev)
+            probs_sorted = sorted_x.softmax(dim=-1)
+            # drop a token once the mass before it already reaches top_p (the first always stays)
+            drop = (probs_sorted.cumsum(dim=-1) - probs_sorted) >= ps[:, None]
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+            x = torch.empty_like(x).scatter_(-1, sorted_idx, sorted_x)
+        min_p = [p.min_p for p in params]
+        if any(mp > 0 for mp in min_p):
+            probs = x.softmax(dim=-1)
+            thresh = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+            x = x.masked_fill(probs < thresh, float("-inf"))
+        probs = x.softmax(dim=-1)
+
+        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.seed is not None and not greedy[i]:
+                self._seeded.manual_seed(seeded_draw_seed(p.seed, seq.sample_index, seq.num_output_tokens))
+                noise[i].exponential_(generator=self._seeded)
+        sampled = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            g = torch.tensor(greedy, device=dev)
+            sampled = torch.where(g, logits.argmax(dim=-1), sampled)
+        return sampled

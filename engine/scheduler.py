@@ -1,0 +1,140 @@
+"""Continuous batching under one token budget (vLLM v1's model, plain Python).
+
+Every step hands each chosen sequence a number of tokens so that its computed
+tokens catch up with its known tokens: a prompt (possibly in chunks), the
+uncached suffix after a prefix-cache hit, or one decode token are the same
+thing. Running sequences are served first, in priority order; waiting ones are
+admitted while the budget, ``max_num_seqs`` and the KV pool allow. When the
+pool runs dry the lowest-priority running sequence is preempted: its blocks are
+freed and it recomputes later (the prefix cache usually gives most of it back).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step: {sequence: tokens to compute}, in batch order."""
+
+    num_scheduled_tokens: dict[Sequence, int] = field(default_factory=dict)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every sequence's scheduling fields."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []  # sorted by sort_key
+        self.num_preemptions = 0
+
+    # ---- queue changes ---------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End seq (stop, length, abort) and give its blocks back."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step ----------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (cannot happen for a live sequence)
+                i += 1
+                continue
+            while not bm.allocate_slots(seq, num_new):
+                victim = self.running[-1]  # lowest priority, latest arrival
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.num_scheduled_tokens[seq] = num_new
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq itself was preempted: nothing below it can run either
+
+        # Admit new work only when nobody had to be preempted this step.
+        if not out.preempted:
+            j = 0
+            while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[j]
+                if seq.wait_for is not None and not self._prompt_cached(seq.wait_for):
+                    j += 1
+                    continue
+                computed_blocks, num_cached = bm.get_computed_blocks(seq)
+                num_new = min(seq.num_tokens - num_cached, budget)
+                if not bm.allocate_slots(seq, num_new, computed_blocks):
+                    break  # FCFS: a blocked head blocks the queue
+                seq.wait_for = None
+                del self.waiting[j]
+                seq.status = SequenceStatus.RUNNING
+                bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+                out.num_scheduled_tokens[seq] = num_new
+                budget -= num_new
+        return out
+
+    @staticmethod
+    def _prompt_cached(parent: Sequence) -> bool:
+        return parent.status is SequenceStatus.FINISHED or parent.num_computed_tokens >= parent.num_prompt_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_cached_tokens = 0
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def update_from_output(self, out: SchedulerOutput) -> list[Sequence]:
+        """Advance computed tokens after the forward pass; return the sequences
+        that caught up with their known tokens (their sampled token counts)."""
+        caught_up = []
+        for seq, n in out.num_scheduled_tokens.items():
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                caught_up.append(seq)
+        return caught_up
