@@ -1,4 +1,5 @@
 """Producer side of pagestream: job schema, Redis key names, clients. Never imports torch."""
+from producer.client import AsyncProducer, JobNotFound, Producer
 from producer.schema import (
     ChatMessage,
     JobRequest,
@@ -12,6 +13,9 @@ from producer.schema import (
 )
 
 __all__ = [
+    "AsyncProducer",
+    "JobNotFound",
+    "Producer",
     "ChatMessage",
     "JobRequest",
     "JobResult",

@@ -43,3 +43,8 @@ def out_stream(job_id: str) -> str:
 def done_counter(lane: str, epoch_s: int) -> str:
     """Jobs finished in one wall-clock second on a lane (for jobs/s in ``pagestream stats``)."""
     return f"{PREFIX}:rate:{lane}:{epoch_s}"
+
+
+def worker_hash(consumer: str) -> str:
+    """A live worker's engine stats (running, free KV blocks...), refreshed every second, short TTL."""
+    return f"{PREFIX}:worker:{consumer}"

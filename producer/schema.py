@@ -276,3 +276,12 @@ class DeadLetter(BaseModel):
     deliveries: int = 1
     worker: str | None = None
     at: float = Field(default_factory=time.time)
+
+
+def format_validation_error(exc: Any) -> str:
+    """A pydantic ValidationError on one line: ``field: what is wrong; ...``."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "job"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)

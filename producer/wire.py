@@ -1,0 +1,75 @@
+"""How schema objects are laid out in Redis stream entries and hashes.
+
+Token events are written by the worker once per coalesced delta, so they use
+compact JSON built with ``json`` rather than pydantic (the hot path).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from producer.schema import JobRequest, TokenEvent
+
+#: field of a lane-stream entry holding the JobRequest JSON
+JOB_FIELD = "job"
+#: out-stream entry field naming the event type
+TYPE_FIELD = "type"
+TOKEN_TYPE = "tok"
+END_TYPE = "end"
+
+
+def job_fields(job: JobRequest) -> dict[str, str]:
+    return {JOB_FIELD: job.model_dump_json(exclude_none=True)}
+
+
+def token_event_fields(sample: int, index: int, token_ids: list[int], text: str, finish_reason: str | None) -> dict[str, str]:
+    ev: dict[str, Any] = {"s": sample, "i": index, "t": token_ids, "x": text}
+    if finish_reason is not None:
+        ev["f"] = finish_reason
+    return {TYPE_FIELD: TOKEN_TYPE, "ev": json.dumps(ev, ensure_ascii=False, separators=(",", ":"))}
+
+
+def end_fields(status: str) -> dict[str, str]:
+    return {TYPE_FIELD: END_TYPE, "status": status}
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode("utf-8") if isinstance(v, bytes) else v
+
+
+def decode_out_entry(job_id: str, fields: dict) -> TokenEvent | str:
+    """A TokenEvent, or the final status (str) for the ``end`` entry."""
+    f = {_s(k): v for k, v in fields.items()}
+    if _s(f.get(TYPE_FIELD, b"")) == END_TYPE:
+        return _s(f.get("status", b""))
+    ev = json.loads(_s(f["ev"]))
+    return TokenEvent(
+        job_id=job_id, sample=ev["s"], index=ev["i"], token_ids=ev["t"], text=ev["x"], finish_reason=ev.get("f")
+    )
+
+
+class EventDeduper:
+    """Drops events a subscriber has already seen, by token index per sample.
+
+    A job re-run after a crash may publish an index range twice (a worker that
+    was presumed dead and kept going); visible output stays exactly once.
+    """
+
+    def __init__(self, from_index: int = 0) -> None:
+        self.from_index = from_index
+        self.next_index: dict[int, int] = {}
+        self.finished: set[int] = set()
+
+    def accept(self, ev: TokenEvent) -> bool:
+        nxt = self.next_index.get(ev.sample, self.from_index)
+        if ev.sample in self.finished:
+            return False
+        if ev.token_ids:
+            if ev.end_index <= nxt:
+                return False
+        elif ev.index < nxt and ev.finish_reason is None:
+            return False
+        self.next_index[ev.sample] = max(nxt, ev.end_index)
+        if ev.finish_reason is not None:
+            self.finished.add(ev.sample)
+        return True

@@ -1,0 +1,221 @@
+"""One worker's side of the consumer group: read, reclaim, keep leases, ack, dead-letter, trim.
+
+Each lane is one stream (``ps:jobs:{lane}``) with one group. An entry is "held"
+by this consumer from XREADGROUP/XAUTOCLAIM until XACK; while held, its idle
+time is reset every ``lease_ms / 3`` so other workers only reclaim entries of
+consumers that stopped doing so (dead or hung).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis
+
+from producer import keys
+from producer.schema import DeadLetter
+from worker.settings import WorkerSettings
+
+# Keep the idle time of entries this consumer still owns at zero; report those it lost
+# (reclaimed by another consumer after a lease expired). Checking ownership and
+# resetting idle in one script means we never XCLAIM an entry away from its new owner.
+# KEYS: stream. ARGV: group, consumer, ids...
+_REFRESH_LUA = """
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One lane entry handed to this consumer."""
+
+    lane: str
+    entry_id: str
+    fields: dict[bytes, bytes] | None  # None: the entry was deleted from the stream
+    deliveries: int = 1
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class Consumer:
+    def __init__(self, client: redis.Redis, settings: WorkerSettings) -> None:
+        # ``client`` must return bytes (decode_responses=False): payloads may be non-UTF-8.
+        self.redis = client
+        self.settings = settings
+        self.group = settings.group
+        self.name = settings.consumer
+        self.lanes = list(settings.lanes)
+        self._refresh = client.register_script(_REFRESH_LUA)
+
+    def stream(self, lane: str) -> str:
+        return keys.jobs_stream(lane)
+
+    def ensure_groups(self) -> None:
+        """Create the group on every lane (from id 0: jobs submitted before any worker existed count)."""
+        for lane in self.lanes:
+            try:
+                self.redis.xgroup_create(self.stream(lane), self.group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    # -- reading -------------------------------------------------------------------------
+
+    def recover_own(self, max_count: int) -> list[Delivery]:
+        """Entries already in this consumer's PEL (a restart under the same name)."""
+        out: list[Delivery] = []
+        for lane in self.lanes:
+            if len(out) >= max_count:
+                break
+            resp = self.redis.xreadgroup(self.group, self.name, {self.stream(lane): "0"}, count=max_count - len(out))
+            entries = resp[0][1] if resp else []
+            out.extend(self._with_counts(lane, [(e[0], e[1]) for e in entries]))
+        return out
+
+    def read(self, max_count: int, block_ms: int | None = None) -> list[Delivery]:
+        """Up to ``max_count`` new entries, high lane before normal before low.
+
+        With ``block_ms`` and nothing available, waits on all lanes at once.
+        """
+        out: list[Delivery] = []
+        if max_count <= 0:
+            return out
+        for lane in self.lanes:
+            n = max_count - len(out)
+            if n <= 0:
+                break
+            resp = self.redis.xreadgroup(self.group, self.name, {self.stream(lane): ">"}, count=n)
+            for _, entries in resp or []:
+                out.extend(Delivery(lane, _s(i), f, 1) for i, f in entries)
+        if out or not block_ms:
+            return out
+        resp = self.redis.xreadgroup(
+            self.group, self.name, {self.stream(lane): ">" for lane in self.lanes}, count=1, block=block_ms
+        )
+        lane_of = {self.stream(lane): lane for lane in self.lanes}
+        for stream, entries in resp or []:
+            out.extend(Delivery(lane_of[_s(stream)], _s(i), f, 1) for i, f in entries)
+        return out[:max_count]
+
+    def reclaim(self, max_count: int) -> list[Delivery]:
+        """XAUTOCLAIM entries idle longer than the lease (their consumer stopped refreshing)."""
+        out: list[Delivery] = []
+        for lane in self.lanes:
+            n = max_count - len(out)
+            if n <= 0:
+                break
+            _, claimed, _deleted = self.redis.xautoclaim(
+                self.stream(lane), self.group, self.name, min_idle_time=self.settings.lease_ms, start_id="0-0", count=n
+            )
+            out.extend(self._with_counts(lane, claimed))
+        return out
+
+    def _with_counts(self, lane: str, entries: list) -> list[Delivery]:
+        if not entries:
+            return []
+        stream = self.stream(lane)
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id, _ in entries:
+            pipe.xpending_range(stream, self.group, min=entry_id, max=entry_id, count=1)
+        counts = []
+        for rows in pipe.execute():
+            counts.append(int(rows[0]["times_delivered"]) if rows else 1)
+        return [Delivery(lane, _s(i), f or None, c) for (i, f), c in zip(entries, counts)]
+
+    # -- leases, acks, dead letters ---------------------------------------------------------
+
+    def refresh_leases(self, held: dict[str, list[str]]) -> list[tuple[str, str]]:
+        """Reset idle time of held entries; return (lane, entry_id) of those lost to another consumer."""
+        lost: list[tuple[str, str]] = []
+        for lane, ids in held.items():
+            for start in range(0, len(ids), 256):
+                chunk = ids[start : start + 256]
+                for entry_id in self._refresh(keys=[self.stream(lane)], args=[self.group, self.name, *chunk]):
+                    lost.append((lane, _s(entry_id)))
+        return lost
+
+    def ack(self, lane: str, entry_ids: list[str], pipeline: redis.client.Pipeline | None = None) -> None:
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
+        pipe.xack(self.stream(lane), self.group, *entry_ids)
+        if pipeline is None:
+            pipe.execute()
+
+    def dead_letter(
+        self,
+        delivery: Delivery,
+        reason: str,
+        job_id: str | None = None,
+        pipeline: redis.client.Pipeline | None = None,
+    ) -> None:
+        """Copy the entry (raw payload, reason, delivery count) to the DLQ and XACK it, atomically."""
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=True)
+        meta = DeadLetter(
+            lane=delivery.lane,
+            entry_id=delivery.entry_id,
+            job_id=job_id,
+            reason=reason,
+            deliveries=delivery.deliveries,
+            worker=self.name,
+        )
+        fields: dict[str | bytes, bytes | str] = {"meta": meta.model_dump_json()}
+        for k, v in (delivery.fields or {}).items():
+            fields[b"payload:" + (k if isinstance(k, bytes) else k.encode())] = v
+        pipe.xadd(keys.dead_letter_stream(), fields, maxlen=self.settings.dead_letter_maxlen, approximate=True)
+        pipe.xack(self.stream(delivery.lane), self.group, delivery.entry_id)
+        if pipeline is None:
+            pipe.execute()
+
+    # -- trimming ---------------------------------------------------------------------------
+
+    def trim(self) -> dict[str, int]:
+        """Drop acked entries: XTRIM MINID up to the oldest entry any group still needs.
+
+        An entry is still needed if it is pending in some group or not yet delivered to
+        some group (after its last-delivered-id). Returns entries removed per lane.
+        """
+        removed: dict[str, int] = {}
+        for lane in self.lanes:
+            stream = self.stream(lane)
+            try:
+                groups = self.redis.xinfo_groups(stream)
+            except redis.ResponseError:
+                continue
+            if not groups:
+                continue
+            floor: tuple[int, int] | None = None
+            for g in groups:
+                name = _s(g["name"])
+                summary = self.redis.xpending(stream, name)
+                candidates = [_next_id(_s(g["last-delivered-id"]))]
+                if summary["pending"]:
+                    candidates.append(_parse_id(_s(summary["min"])))
+                low = min(candidates)
+                floor = low if floor is None else min(floor, low)
+            if floor is not None and floor > (0, 0):
+                removed[lane] = self.redis.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False)
+        return removed
+
+
+def _parse_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _next_id(entry_id: str) -> tuple[int, int]:
+    ms, seq = _parse_id(entry_id)
+    return ms, seq + 1
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)

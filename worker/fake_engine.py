@@ -1,0 +1,169 @@
+"""An instant engine with LLMEngine's interface, for queue tests and the queue benchmark.
+
+Outputs are a pure function of (prompt, seed, sample index, token index), so a
+job resumed with ``resume_token_ids`` continues exactly like the uninterrupted
+run, as the real engine promises for seeded requests. KV blocks are accounted
+like a paged cache (``block_size`` tokens per block) so backpressure through
+``num_admittable()`` behaves like the real thing. ``step_delay_s`` makes a step
+take time (to kill a worker mid-job in tests).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+import zlib
+from dataclasses import dataclass, field
+
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class FakeConfig:
+    model: str = "fake"
+    max_num_seqs: int = 8
+    max_model_len: int = 512
+    block_size: int = 16
+    num_blocks: int = 4096
+    step_delay_s: float = 0.0
+
+
+class FakeTokenizer:
+    """Whitespace tokenizer: a word's id is a stable hash; id k decodes to ``"<k>"``."""
+
+    eos_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [zlib.crc32(w.encode()) % 50_000 + 1 for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = True):
+        text = " ".join(f"{m['role']}: {m['content']}" for m in messages) + " assistant:"
+        return self.encode(text) if tokenize else text
+
+
+@dataclass
+class _Req:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    key: int
+    outputs: list[list[int]]
+    blocks: int
+    priority: int = 0
+    done: list[bool] = field(default_factory=list)
+    started: bool = False
+
+
+class FakeEngine:
+    def __init__(self, config: FakeConfig | None = None) -> None:
+        self.config = config or FakeConfig()
+        self.tokenizer = FakeTokenizer()
+        self._running: dict[str, _Req] = {}
+        self._waiting: dict[str, _Req] = {}
+        self._used_blocks = 0
+        self._num_generated = 0
+        self._pending_errors: list[RequestOutput] = []
+
+    # -- the LLMEngine interface -------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        resume_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self._running or request_id in self._waiting:
+            raise ValueError(f"request {request_id!r} already exists")
+        ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenizer.encode(prompt or "")
+        if not ids:
+            raise ValueError("prompt is empty")
+        max_new = params.max_tokens or (self.config.max_model_len - len(ids))
+        if len(ids) + max_new > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_new}) exceeds max_model_len ({self.config.max_model_len})"
+            )
+        seed = params.seed if params.seed is not None else int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "little")
+        key = zlib.crc32(repr((ids, seed)).encode())
+        outputs = [[] for _ in range(params.n)]
+        if resume_token_ids:
+            outputs[0] = list(resume_token_ids)
+        blocks = -(-(len(ids) + max_new) // self.config.block_size) * params.n
+        self._waiting[request_id] = _Req(request_id, ids, params, key, outputs, blocks, priority, [False] * params.n)
+
+    def add_chat_request(self, request_id: str, messages: list[dict], params: SamplingParams | None = None, **kw) -> None:
+        self.add_request(request_id, prompt=self.tokenizer.apply_chat_template(messages), params=params, **kw)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self._running.pop(request_id, None) or self._waiting.pop(request_id, None)
+        if req is not None and req.started:
+            self._used_blocks -= req.blocks
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._running or self._waiting or self._pending_errors)
+
+    def num_admittable(self) -> int:
+        free_seqs = self.config.max_num_seqs - len(self._running) - len(self._waiting)
+        return max(0, free_seqs)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            num_free_blocks=self.config.num_blocks - self._used_blocks,
+            num_total_blocks=self.config.num_blocks,
+            kv_usage=self._used_blocks / self.config.num_blocks,
+            kv_waste=0.0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=0,
+            num_generated_tokens=self._num_generated,
+        )
+
+    def step(self) -> list[RequestOutput]:
+        if self.config.step_delay_s:
+            time.sleep(self.config.step_delay_s)
+        for rid in sorted(self._waiting, key=lambda r: self._waiting[r].priority):
+            req = self._waiting[rid]
+            if self._used_blocks + req.blocks > self.config.num_blocks:
+                break
+            del self._waiting[rid]
+            req.started = True
+            self._used_blocks += req.blocks
+            self._running[rid] = req
+        outs: list[RequestOutput] = []
+        for rid, req in list(self._running.items()):
+            deltas = []
+            for s, toks in enumerate(req.outputs):
+                if req.done[s]:
+                    continue
+                k = len(toks)
+                tok = self._token(req.key, s, k)
+                toks.append(tok)
+                self._num_generated += 1
+                finish = None
+                if len(toks) >= (req.params.max_tokens or 1 << 30):
+                    finish = "length"
+                    req.done[s] = True
+                deltas.append(CompletionOutput(index=s, text=f"<{tok}>", token_ids=[tok], first_token_index=k, finish_reason=finish))
+            finished = all(req.done)
+            if finished:
+                del self._running[rid]
+                self._used_blocks -= req.blocks
+            outs.append(RequestOutput(rid, None, req.prompt_token_ids, deltas, finished))
+        return outs
+
+    @staticmethod
+    def _token(key: int, sample: int, index: int) -> int:
+        return zlib.crc32(f"{key}:{sample}:{index}".encode()) % 50_000 + 1
+
+    def expected_text(self, prompt: str, seed: int, max_tokens: int, sample: int = 0) -> str:
+        """What a seeded request yields (for tests)."""
+        key = zlib.crc32(repr((self.tokenizer.encode(prompt), seed)).encode())
+        return "".join(f"<{self._token(key, sample, k)}>" for k in range(max_tokens))

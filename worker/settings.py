@@ -1,0 +1,69 @@
+"""Worker configuration: pydantic-settings from the environment, overridden by CLI flags."""
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from producer import keys
+
+
+def default_consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class WorkerSettings(BaseSettings):
+    """Everything a worker needs. Env vars are the field names upper-cased with a
+    ``PAGESTREAM_`` prefix (``PAGESTREAM_LEASE_MS``), except the shared ones named below."""
+
+    model_config = SettingsConfigDict(env_prefix="PAGESTREAM_", extra="ignore", populate_by_name=True)
+
+    redis_url: str = Field("redis://localhost:6379/0", validation_alias="REDIS_URL")
+    model: str | None = None  # HF dir, or "fake" for the instant fake engine (tests, benchmarks)
+    device: str = "cpu"
+    group: str = keys.DEFAULT_GROUP
+    consumer: str = Field(default_factory=default_consumer_name)
+    lanes: list[str] = Field(default_factory=lambda: list(keys.LANES))
+
+    # engine limits
+    max_num_seqs: int = Field(8, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    seed: int = 0
+
+    # queue behaviour
+    prefetch: int = Field(2, ge=0)  # entries read beyond what the engine can admit now
+    lease_ms: int = Field(30_000, ge=100)  # an entry idle this long in a dead consumer's PEL is reclaimed
+    max_deliveries: int = Field(3, ge=1)
+    drain_timeout_s: float = Field(30.0, ge=0)
+    block_ms: int = Field(1000, ge=1)  # XREADGROUP BLOCK when the worker is idle
+    publish_interval_ms: float = Field(20.0, ge=0)  # coalesce each job's deltas this long
+    trim_interval_s: float = Field(10.0, gt=0)
+    reclaim_interval_s: float | None = None  # default: lease_ms / 4
+    dead_letter_maxlen: int = 100_000
+
+    # bulk sink (worker.bulk_sink)
+    s3_endpoint_url: str | None = Field(None, validation_alias="S3_ENDPOINT_URL")
+    bulk_flush_lines: int = Field(256, ge=1)
+    bulk_flush_interval_s: float = Field(5.0, gt=0)
+
+    @field_validator("lanes", mode="before")
+    @classmethod
+    def _split_lanes(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("lanes")
+    @classmethod
+    def _known_lanes(cls, v: list[str]) -> list[str]:
+        bad = [lane for lane in v if lane not in keys.LANES]
+        if bad or not v:
+            raise ValueError(f"lanes must be a non-empty subset of {list(keys.LANES)}, got {v}")
+        # read order is fixed: high before normal before low
+        return [lane for lane in keys.LANES if lane in v]
+
+    @property
+    def reclaim_every_s(self) -> float:
+        return self.reclaim_interval_s if self.reclaim_interval_s is not None else self.lease_ms / 4000

@@ -1,0 +1,701 @@
+"""The loop that joins the queue and the engine.
+
+    pull (only what the engine can admit + prefetch) -> engine.add_request
+    engine.step() -> deltas -> Publisher (a thread: coalesced, one transaction per flush)
+    final result + status + XACK written together; bulk results to the bulk sink
+
+A control thread keeps leases alive, reads cancellations and trims lanes, so the
+loop itself only talks to Redis when it pulls. ``run(burst=False, max_steps=None)``
+is shaped like rq's ``Worker.work``: the first SIGTERM/SIGINT is a warm stop (no
+more pulls, in-flight jobs drain up to ``drain_timeout_s``, the rest is released
+for other workers), the second is cold.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from producer import keys
+from producer.schema import JOB_ID_PATTERN, format_validation_error, JobRequest, JobResult, JobStatus, OutputTarget, SampleResult
+from producer.wire import EventDeduper, JOB_FIELD, decode_out_entry
+from worker.consumer import Consumer, Delivery
+from worker.publisher import Ack, Delta, Final, Publisher, Start
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+_JOB_ID_RE = re.compile(JOB_ID_PATTERN)
+
+
+@dataclass
+class _Sample:
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class ActiveJob:
+    delivery: Delivery
+    job: JobRequest
+    params: Any = None  # engine SamplingParams
+    resume: list[int] | None = None
+    samples: dict[int, _Sample] = field(default_factory=dict)
+    started_at: float = 0.0
+    prompt_tokens: int = 0
+
+    @property
+    def job_id(self) -> str:
+        return self.job.job_id
+
+    @property
+    def is_bulk(self) -> bool:
+        return self.job.output.kind == "bulk"
+
+
+class InvalidJob(Exception):
+    """A job that can never run (bad payload, bad params, prompt too long...)."""
+
+
+class Worker:
+    def __init__(
+        self,
+        client: redis.Redis,
+        engine: Any,
+        settings: WorkerSettings,
+        sink: Any = None,
+    ) -> None:
+        self.redis = client
+        self.engine = engine
+        self.settings = settings
+        self.name = settings.consumer
+        self.consumer = Consumer(client, settings)
+        self.publisher = Publisher(client, self.consumer, settings.publish_interval_ms / 1000, on_acked=self._on_acked)
+        self._sink = sink
+        self._sink_error: str | None = None
+        self._active: dict[str, ActiveJob] = {}  # job_id -> job in the engine
+        self._buffer: deque[ActiveJob] = deque()  # pulled, validated, not yet in the engine
+        self._held: set[tuple[str, str]] = set()  # (lane, entry_id) read and not yet acked (redis jobs)
+        self._lock = threading.Lock()  # guards _held, _cancel_requests, _lost
+        self._cancel_requests: set[str] = set()
+        self._lost: set[tuple[str, str]] = set()
+        self._stop_requested = 0  # 1 warm, 2 cold
+        self._stats_snapshot: dict[str, Any] = {}
+        self._control_stop = threading.Event()
+        self._control: threading.Thread | None = None
+        self._next_reclaim = 0.0
+        self.num_steps = 0
+        self.num_completed = 0
+        self.queue_time_s = 0.0  # loop time spent outside engine.step (what the queue costs)
+        self.engine_time_s = 0.0
+
+    # -- public -----------------------------------------------------------------------------
+
+    @property
+    def admission_limit(self) -> int:
+        return self.settings.max_num_seqs
+
+    def request_stop(self, cold: bool = False) -> None:
+        self._stop_requested = 2 if cold else max(self._stop_requested, 1)
+
+    def run(self, burst: bool = False, max_steps: int | None = None) -> int:
+        """Work until stopped (or, with ``burst``, until the queue is empty and nothing runs).
+
+        Returns the number of engine steps taken. ``max_steps`` stops after that many
+        steps without draining (a test hook: in-flight jobs stay in the engine).
+        """
+        self._install_signals()
+        self._start_threads()
+        steps_at_start = self.num_steps
+        backoff = 0.1
+        try:
+            self._recover()
+            while True:
+                if self._stop_requested:
+                    break
+                if max_steps is not None and self.num_steps - steps_at_start >= max_steps:
+                    return self.num_steps - steps_at_start
+                try:
+                    did_work = self._iteration(block=not burst)
+                    backoff = 0.1
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                    self._sleep(backoff)
+                    backoff = min(backoff * 2, 10.0)
+                    continue
+                except Exception:
+                    # Not a job's fault (jobs fail through results): hand in-flight work back
+                    # so it is redelivered (and dead-lettered after max_deliveries), keep serving.
+                    log.exception("worker iteration failed; releasing %d in-flight jobs", len(self._active))
+                    self._abort_all_and_release()
+                    self._sleep(backoff)
+                    backoff = min(backoff * 2, 10.0)
+                    continue
+                if not did_work and not self._busy():
+                    if self.publisher.pending():
+                        # acks in flight still count against the PEL bound: let them land first
+                        self.publisher.flush(timeout=1.0)
+                        continue
+                    if burst:
+                        break
+                    if self._capacity() <= 0:
+                        self._sleep(0.01)
+            self._drain()
+        finally:
+            if max_steps is None or self._stop_requested or burst:
+                self._teardown()
+            self._restore_signals()
+        return self.num_steps - steps_at_start
+
+    def close(self) -> None:
+        """Release everything (for callers that used ``run(max_steps=...)``)."""
+        self._teardown()
+
+    # -- one iteration ----------------------------------------------------------------------
+
+    def _iteration(self, block: bool) -> bool:
+        t0 = time.perf_counter()
+        self._handle_control_events()
+        self._poll_sink()
+        pulled = self._pull(block=block and not self._busy())
+        self._admit()
+        did_step = False
+        if self.engine.has_unfinished_requests():
+            t1 = time.perf_counter()
+            outputs = self.engine.step()
+            t2 = time.perf_counter()
+            self.engine_time_s += t2 - t1
+            self.num_steps += 1
+            self._publish(outputs)
+            did_step = True
+            self.queue_time_s += (t1 - t0) + (time.perf_counter() - t2)
+        else:
+            self.queue_time_s += time.perf_counter() - t0
+        if self.num_steps % 16 == 0:
+            self._snapshot_stats()
+        return did_step or pulled > 0
+
+    def _busy(self) -> bool:
+        return bool(self._active or self._buffer or self.engine.has_unfinished_requests())
+
+    def _capacity(self) -> int:
+        """How many more entries to read now: never more than admission limit + prefetch held."""
+        with self._lock:
+            held = len(self._held)
+        by_pel = self.admission_limit + self.settings.prefetch - held
+        by_engine = self.engine.num_admittable() + self.settings.prefetch - len(self._buffer)
+        return max(0, min(by_pel, by_engine))
+
+    def _pull(self, block: bool) -> int:
+        want = self._capacity()
+        if want <= 0:
+            return 0
+        deliveries: list[Delivery] = []
+        now = time.monotonic()
+        if now >= self._next_reclaim:
+            self._next_reclaim = now + self.settings.reclaim_every_s
+            deliveries = self.consumer.reclaim(want)
+        if len(deliveries) < want:
+            deliveries += self.consumer.read(want - len(deliveries), block_ms=self.settings.block_ms if block and not deliveries else None)
+        if deliveries:
+            self._accept(deliveries)
+        return len(deliveries)
+
+    # -- taking deliveries in -----------------------------------------------------------------
+
+    def _accept(self, deliveries: list[Delivery]) -> None:
+        """Validate pulled entries; queue runnable ones in the buffer, finish the rest at once."""
+        ops: list[object] = []
+        ready: list[ActiveJob] = []
+        for d in deliveries:
+            with self._lock:
+                self._held.add((d.lane, d.entry_id))
+            if d.fields is None:  # deleted from the stream while pending
+                ops.append(Ack(d.lane, [d.entry_id]))
+                continue
+            try:
+                job = self._parse(d)
+            except InvalidJob as exc:
+                ops.extend(self._reject(d, str(exc)))
+                continue
+            if d.deliveries > self.settings.max_deliveries:
+                ops.extend(self._reject(d, f"failed {d.deliveries - 1} deliveries (max_deliveries={self.settings.max_deliveries})", job))
+                continue
+            if job.job_id in self._active or any(a.job_id == job.job_id for a in self._buffer):
+                ops.append(Ack(d.lane, [d.entry_id]))  # a second entry for a job this worker already runs
+                continue
+            ready.append(ActiveJob(d, job))
+        if ready:
+            ops.extend(self._check_state(ready))
+        self.publisher.put(ops)
+
+    def _parse(self, d: Delivery) -> JobRequest:
+        raw = d.fields.get(JOB_FIELD.encode()) if d.fields else None
+        if raw is None:
+            raise InvalidJob(f"entry has no {JOB_FIELD!r} field (fields: {sorted(k.decode('utf-8', 'replace') for k in d.fields or {})})")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidJob(f"job payload is not valid UTF-8: {exc}") from None
+        try:
+            job = JobRequest.model_validate_json(text)
+        except ValidationError as exc:
+            raise InvalidJob("invalid job: " + format_validation_error(exc)) from None
+        if job.lane.value != d.lane:
+            raise InvalidJob(f"job says lane {job.lane.value!r} but was queued on lane {d.lane!r}")
+        return job
+
+    def _reject(self, d: Delivery, reason: str, job: JobRequest | None = None) -> list[object]:
+        """An invalid or poison entry: failed result (if it names a job), copy to the DLQ, ack."""
+        log.info("dead-lettering %s/%s: %s", d.lane, d.entry_id, reason)
+        job_id, output, ttl, meta = _salvage(d, job)
+        result = JobResult(job_id=job_id or "?", status=JobStatus.FAILED, error=reason, worker=self.name, deliveries=d.deliveries, metadata=meta)
+        if output is not None and output.kind == "bulk":
+            stub = job or JobRequest.model_construct(job_id=job_id or f"entry-{d.entry_id}", output=output, metadata=meta)
+            if self._to_sink(d, stub, result):
+                # the sink acks it once durable; the DLQ still gets a copy
+                self.consumer.dead_letter(d, reason, job_id, pipeline=_NoAckPipe(self.redis))
+                return []
+        return [Final(result, ttl, (d.lane, d.entry_id), dead_letter=d, write_result=job_id is not None)]
+
+    def _check_state(self, jobs: list[ActiveJob]) -> list[object]:
+        """One round trip for the job hashes: skip finished/cancelled jobs, expire late ones, find resumes."""
+        ops: list[object] = []
+        pipe = self.redis.pipeline(transaction=False)
+        for a in jobs:
+            pipe.hmget(keys.job_hash(a.job_id), ["status", "cancel_requested"])
+        states = pipe.execute()
+        resume_from: list[ActiveJob] = []
+        now = time.time()
+        for a, (status, cancel_requested) in zip(jobs, states):
+            st = status.decode() if status else None
+            if a.is_bulk:
+                pass
+            elif st in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED):
+                ops.append(Ack(a.delivery.lane, [a.delivery.entry_id]))
+                continue
+            elif cancel_requested:
+                ops.append(self._final(a, JobStatus.CANCELLED, error="cancelled"))
+                continue
+            if a.job.is_expired(now):
+                ops.append(self._final(a, JobStatus.EXPIRED, error=f"deadline passed {now - a.job.deadline:.3f}s before it started"))
+                continue
+            try:
+                a.params = self._sampling_params(a.job)
+            except ValueError as exc:
+                ops.extend(self._reject(a.delivery, f"invalid sampling parameters: {exc}", a.job))
+                continue
+            if st == JobStatus.RUNNING and not a.is_bulk:
+                resume_from.append(a)
+            self._buffer.append(a)
+        if resume_from:
+            self._load_history(resume_from)
+        return ops
+
+    def _load_history(self, jobs: list[ActiveJob]) -> None:
+        """Tokens an earlier delivery already published: the job continues after them."""
+        pipe = self.redis.pipeline(transaction=False)
+        for a in jobs:
+            pipe.xrange(keys.out_stream(a.job_id))
+        for a, entries in zip(jobs, pipe.execute()):
+            dedup = EventDeduper()
+            for _, fields in entries:
+                ev = decode_out_entry(a.job_id, fields)
+                if isinstance(ev, str) or not dedup.accept(ev):
+                    continue
+                s = a.samples.setdefault(ev.sample, _Sample())
+                s.token_ids.extend(ev.token_ids)
+                s.text.append(ev.text)
+            if a.job.sampling.n == 1 and a.samples.get(0) and a.samples[0].token_ids:
+                a.resume = list(a.samples[0].token_ids)
+            else:
+                # n > 1: the engine resumes one sample only; start over, subscribers drop
+                # the indices they already saw (exact when seeded)
+                a.samples.clear()
+
+    def _sampling_params(self, job: JobRequest) -> Any:
+        from engine.sampling_params import SamplingParams
+
+        return SamplingParams(**job.sampling.engine_kwargs())
+
+    def _admit(self) -> None:
+        """Move buffered jobs into the engine as far as it can admit them now."""
+        if not self._buffer:
+            return
+        n = self.engine.num_admittable()
+        ops: list[object] = []
+        now = time.time()
+        while self._buffer and n > 0:
+            a = self._buffer.popleft()
+            if a.job.is_expired(now):
+                ops.append(self._final(a, JobStatus.EXPIRED, error="deadline passed before it started"))
+                continue
+            j = a.job
+            kw = dict(params=a.params, resume_token_ids=a.resume, priority=j.priority)
+            try:
+                if j.messages is not None:
+                    self.engine.add_chat_request(j.job_id, [m.model_dump() for m in j.messages], **kw)
+                elif j.prompt_token_ids is not None:
+                    self.engine.add_request(j.job_id, prompt_token_ids=j.prompt_token_ids, **kw)
+                else:
+                    self.engine.add_request(j.job_id, prompt=j.prompt, **kw)
+            except ValueError as exc:
+                ops.extend(self._reject(a.delivery, f"rejected by the engine: {exc}", j))
+                continue
+            a.started_at = time.time()
+            self._active[j.job_id] = a
+            n -= 1
+            if not a.is_bulk:
+                ops.append(Start(j.job_id, self.name, a.started_at, a.delivery.deliveries))
+        self.publisher.put(ops)
+
+    # -- results --------------------------------------------------------------------------------
+
+    def _publish(self, outputs: list) -> None:
+        ops: list[object] = []
+        for out in outputs:
+            a = self._active.get(out.request_id)
+            if a is None:
+                continue
+            if out.prompt_token_ids:
+                a.prompt_tokens = len(out.prompt_token_ids)
+            for c in out.outputs:
+                s = a.samples.setdefault(c.index, _Sample())
+                s.token_ids.extend(c.token_ids)
+                if c.text:
+                    s.text.append(c.text)
+                if c.finish_reason is not None:
+                    s.finish_reason = c.finish_reason
+                if not a.is_bulk and (c.token_ids or c.text or c.finish_reason):
+                    ops.append(Delta(a.job_id, c.index, c.first_token_index, list(c.token_ids), c.text, c.finish_reason))
+            if out.finished:
+                del self._active[a.job_id]
+                if out.error:
+                    ops.extend(self._reject(a.delivery, f"engine error: {out.error}", a.job))
+                else:
+                    ops.append(self._final(a, JobStatus.COMPLETED))
+                    self.num_completed += 1
+        self.publisher.put(ops)
+
+    def _final(self, a: ActiveJob, status: JobStatus, error: str | None = None) -> object | None:
+        samples = [
+            SampleResult(index=i, text="".join(s.text), token_ids=s.token_ids, finish_reason=s.finish_reason)
+            for i, s in sorted(a.samples.items())
+        ]
+        first = samples[0] if samples else None
+        result = JobResult(
+            job_id=a.job_id,
+            status=status,
+            text=first.text if first else "",
+            token_ids=first.token_ids if first else [],
+            finish_reason=first.finish_reason if first else None,
+            error=error,
+            outputs=samples,
+            prompt_tokens=a.prompt_tokens,
+            completion_tokens=sum(len(s.token_ids) for s in samples),
+            worker=self.name,
+            deliveries=a.delivery.deliveries,
+            resumed_from=len(a.resume or []),
+            created_at=a.job.created_at,
+            started_at=a.started_at or None,
+            metadata=a.job.metadata,
+        )
+        if a.is_bulk:
+            if self._to_sink(a.delivery, a.job, result):
+                return None  # acked later by the sink, once its part is durable
+            result = result.model_copy(update={"status": JobStatus.FAILED, "error": self._sink_error})
+            return Final(result, a.job.result_ttl_s, (a.delivery.lane, a.delivery.entry_id), dead_letter=a.delivery, write_result=False)
+        return Final(result, a.job.result_ttl_s, (a.delivery.lane, a.delivery.entry_id))
+
+    # -- bulk sink --------------------------------------------------------------------------------
+
+    def _get_sink(self) -> Any:
+        if self._sink is None and self._sink_error is None:
+            try:
+                from worker.bulk_sink import BulkSink
+            except ImportError as exc:
+                self._sink_error = f"bulk output is not available in this worker (worker.bulk_sink: {exc})"
+                return None
+            self._sink = BulkSink(self.redis, self.name, self.settings)
+        return self._sink
+
+    def _to_sink(self, d: Delivery, job: JobRequest, result: JobResult) -> bool:
+        sink = self._get_sink()
+        if sink is None:
+            return False
+        sink.add(d.lane, d.entry_id, job, result)
+        with self._lock:
+            self._held.discard((d.lane, d.entry_id))  # durable-pending bulk entries do not block pulling
+        return True
+
+    def _poll_sink(self) -> None:
+        if self._sink is not None:
+            done = self._sink.poll()
+            self._ack_pairs(done)
+
+    def _ack_pairs(self, pairs: list[tuple[str, str]]) -> None:
+        by_lane: dict[str, list[str]] = {}
+        for lane, eid in pairs or []:
+            by_lane.setdefault(lane, []).append(eid)
+        self.publisher.put([Ack(lane, ids) for lane, ids in by_lane.items()])
+
+    def _on_acked(self, pairs: list[tuple[str, str]]) -> None:
+        with self._lock:
+            self._held.difference_update(pairs)
+
+    # -- cancellation, deadlines, lost leases -------------------------------------------------------
+
+    def _handle_control_events(self) -> None:
+        with self._lock:
+            cancels, self._cancel_requests = self._cancel_requests, set()
+            lost, self._lost = self._lost, set()
+        ops: list[object] = []
+        for lane, eid in lost:
+            for a in list(self._active.values()):
+                if (a.delivery.lane, a.delivery.entry_id) == (lane, eid):
+                    log.warning("lost the lease of %s (job %s) to another worker; dropping it", eid, a.job_id)
+                    self.engine.abort_request(a.job_id)
+                    del self._active[a.job_id]
+            self._buffer = deque(a for a in self._buffer if (a.delivery.lane, a.delivery.entry_id) != (lane, eid))
+            with self._lock:
+                self._held.discard((lane, eid))
+        now = time.time()
+        for a in list(self._active.values()):
+            if a.job_id in cancels:
+                self.engine.abort_request(a.job_id)
+                del self._active[a.job_id]
+                ops.append(self._final(a, JobStatus.CANCELLED, error="cancelled"))
+            elif a.job.deadline is not None and now > a.job.deadline:
+                self.engine.abort_request(a.job_id)
+                del self._active[a.job_id]
+                ops.append(self._final(a, JobStatus.EXPIRED, error="deadline passed while running"))
+        if cancels and self._buffer:
+            keep = deque()
+            for a in self._buffer:
+                if a.job_id in cancels:
+                    ops.append(self._final(a, JobStatus.CANCELLED, error="cancelled"))
+                else:
+                    keep.append(a)
+            self._buffer = keep
+        self.publisher.put([op for op in ops if op is not None])
+
+    # -- threads ----------------------------------------------------------------------------------
+
+    def _start_threads(self) -> None:
+        if self._control is not None:
+            return
+        self.consumer.ensure_groups()
+        self.publisher.start()
+        self._control = threading.Thread(target=self._control_loop, name="pagestream-control", daemon=True)
+        self._control.start()
+
+    def _control_loop(self) -> None:
+        """Leases, cancellations, trimming and the worker's stats hash, off the loop's path."""
+        try:
+            last_cancel = self.redis.xinfo_stream(keys.cancel_stream())["last-generated-id"]
+        except redis.ResponseError:
+            last_cancel = b"0-0"
+        refresh_every = self.settings.lease_ms / 3000
+        next_refresh = next_trim = next_stats = 0.0
+        while not self._control_stop.is_set():
+            try:
+                resp = self.redis.xread({keys.cancel_stream(): last_cancel}, count=1000, block=int(min(refresh_every, 0.5) * 1000))
+                for _, entries in resp or []:
+                    for entry_id, fields in entries:
+                        last_cancel = entry_id
+                        job_id = fields.get(b"job_id")
+                        if job_id:
+                            with self._lock:
+                                self._cancel_requests.add(job_id.decode("utf-8", "replace"))
+                now = time.monotonic()
+                if now >= next_refresh:
+                    next_refresh = now + refresh_every
+                    with self._lock:
+                        held = list(self._held)
+                    by_lane: dict[str, list[str]] = {}
+                    for lane, eid in held:
+                        by_lane.setdefault(lane, []).append(eid)
+                    lost = self.consumer.refresh_leases(by_lane)
+                    if lost:
+                        with self._lock:
+                            self._lost.update(lost)
+                if now >= next_trim:
+                    next_trim = now + self.settings.trim_interval_s
+                    self.consumer.trim()
+                if now >= next_stats:
+                    next_stats = now + 1.0
+                    snap = dict(self._stats_snapshot)
+                    if snap:
+                        wk = keys.worker_hash(self.name)
+                        pipe = self.redis.pipeline(transaction=False)
+                        pipe.hset(wk, mapping={k: str(v) for k, v in snap.items()})
+                        pipe.expire(wk, 15)
+                        pipe.execute()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("control thread: redis unavailable (%s)", exc)
+                self._control_stop.wait(0.5)
+            except Exception:
+                log.exception("control thread error")
+                self._control_stop.wait(0.5)
+
+    def _snapshot_stats(self) -> None:
+        st = self.engine.stats()
+        self._stats_snapshot = {
+            "num_running": st.num_running,
+            "num_waiting": st.num_waiting,
+            "num_free_blocks": st.num_free_blocks,
+            "num_total_blocks": st.num_total_blocks,
+            "kv_usage": round(st.kv_usage, 4),
+            "num_steps": self.num_steps,
+            "num_completed": self.num_completed,
+            "held": len(self._held),
+            "updated_at": round(time.time(), 3),
+        }
+
+    # -- start, stop ------------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Entries left in this consumer's PEL by an earlier process with the same name."""
+        want = self._capacity()
+        if want > 0:
+            ds = self.consumer.recover_own(want)
+            if ds:
+                log.info("recovered %d entries from our own PEL", len(ds))
+                self._accept(ds)
+
+    def _drain(self) -> None:
+        """Warm stop: no more pulls; finish in-flight jobs up to the drain timeout."""
+        if self._stop_requested != 1:
+            return
+        end = time.monotonic() + self.settings.drain_timeout_s
+        log.info("warm stop: draining %d running jobs (up to %.1fs)", len(self._active), self.settings.drain_timeout_s)
+        self._release_buffer()
+        while self._stop_requested == 1 and self.engine.has_unfinished_requests() and time.monotonic() < end:
+            try:
+                self._handle_control_events()
+                self._poll_sink()
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass
+            t1 = time.perf_counter()
+            outputs = self.engine.step()
+            self.engine_time_s += time.perf_counter() - t1
+            self.num_steps += 1
+            self._publish(outputs)
+
+    def _abort_all_and_release(self) -> None:
+        unfinished = list(self._active.values())
+        for a in unfinished:
+            try:
+                self.engine.abort_request(a.job_id)
+            except Exception:
+                log.exception("abort_request(%s) failed", a.job_id)
+        self._active.clear()
+        self.publisher.flush(timeout=5.0)
+        self._release([a.delivery for a in unfinished if not a.is_bulk])
+        self._release_buffer()
+
+    def _release_buffer(self) -> None:
+        released = [a.delivery for a in self._buffer]
+        self._buffer.clear()
+        self._release(released)
+
+    def _release(self, deliveries: list[Delivery]) -> None:
+        """Hand entries back: mark them idle past the lease so any worker reclaims them at once."""
+        for d in deliveries:
+            try:
+                self.redis.xclaim(
+                    keys.jobs_stream(d.lane), self.settings.group, self.name, 0, [d.entry_id],
+                    idle=self.settings.lease_ms + 1, retrycount=max(0, d.deliveries - 1), justid=True,
+                )
+            except redis.RedisError as exc:
+                log.warning("could not release %s: %s", d.entry_id, exc)
+            with self._lock:
+                self._held.discard((d.lane, d.entry_id))
+
+    def _teardown(self) -> None:
+        # Jobs still in the engine (drain timed out, cold stop, max_steps): abort them and
+        # release their entries; whoever reclaims them resumes from the published tokens.
+        unfinished = list(self._active.values())
+        for a in unfinished:
+            self.engine.abort_request(a.job_id)
+        self._active.clear()
+        self.publisher.flush(timeout=5.0 if self._stop_requested != 2 else 1.0)
+        if self._sink is not None:
+            try:
+                self._ack_pairs(self._sink.close())
+            except Exception:
+                log.exception("bulk sink close failed")
+            self._sink = None
+        self._release([a.delivery for a in unfinished if not a.is_bulk])
+        self._release_buffer()
+        self.publisher.stop(timeout=5.0)
+        self._control_stop.set()
+        if self._control is not None:
+            self._control.join(timeout=5)
+
+    def _sleep(self, s: float) -> None:
+        end = time.monotonic() + s
+        while not self._stop_requested and time.monotonic() < end:
+            time.sleep(min(0.05, end - time.monotonic()))
+
+    def _install_signals(self) -> None:
+        self._old_handlers = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):  # noqa: ARG001
+            self.request_stop(cold=self._stop_requested >= 1)
+            log.warning("%s: %s stop", signal.Signals(signum).name, "cold" if self._stop_requested == 2 else "warm")
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old_handlers[sig] = signal.signal(sig, handler)
+
+    def _restore_signals(self) -> None:
+        for sig, h in getattr(self, "_old_handlers", {}).items():
+            signal.signal(sig, h)
+
+
+class _NoAckPipe:
+    """Lets ``Consumer.dead_letter`` copy to the DLQ without acking (bulk entries are acked by the sink)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+
+    def xadd(self, *a: Any, **kw: Any) -> Any:
+        return self._client.xadd(*a, **kw)
+
+    def xack(self, *a: Any, **kw: Any) -> None:
+        return None
+
+
+def _salvage(d: Delivery, job: JobRequest | None) -> tuple[str | None, OutputTarget | None, int, dict]:
+    """Job id, output target, result TTL and metadata from a job, or best effort from a broken payload."""
+    if job is not None:
+        return job.job_id, job.output, job.result_ttl_s, job.metadata
+    try:
+        data = json.loads((d.fields or {}).get(JOB_FIELD.encode(), b"").decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None, None, 24 * 3600, {}
+    if not isinstance(data, dict):
+        return None, None, 24 * 3600, {}
+    job_id = data.get("job_id")
+    if not isinstance(job_id, str) or not _JOB_ID_RE.match(job_id):
+        job_id = None
+    try:
+        output = OutputTarget.model_validate(data.get("output") or {})
+    except ValueError:
+        output = None
+    ttl = data.get("result_ttl_s")
+    ttl = ttl if isinstance(ttl, int) and ttl > 0 else 24 * 3600
+    meta = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
+    return job_id, output, ttl, meta
