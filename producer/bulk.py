@@ -1,0 +1,273 @@
+"""Bulk dataset generation: the Python API web backends call.
+
+A bulk is one RQ job (``producer.bulk_orchestrator.run_bulk``, queue
+``pagestream-bulk``, JSON serializer) that streams an OpenAI-batch JSONL input
+into lane jobs whose output target is the bulk, waits for the workers' part
+files, and compacts them into ``output-NNNNN.jsonl`` / ``errors-NNNNN.jsonl``
+shards plus ``manifest.json``.
+
+>>> bulk_id = submit_bulk("s3://in/prompts.jsonl", "s3://out/run1", redis_url="redis://localhost:6379/0")
+>>> get_bulk(redis.Redis.from_url(url, decode_responses=True), bulk_id)["status"]
+'in_progress'
+
+Its bookkeeping lives in the status hash ``ps:bulk:{<id>}`` (see ``producer/bulk_keys.py``).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from enum import Enum
+from typing import Any
+
+import redis
+from pydantic import BaseModel, Field
+
+from producer import bulk_keys
+from producer.schema import Lane
+
+#: the RQ queue bulk orchestration jobs go to (``rq worker pagestream-bulk -S rq.serializers.JSONSerializer``)
+BULK_QUEUE = "pagestream-bulk"
+#: the importable function an RQ worker runs; enqueue it with the bulk id as its only argument
+RUN_BULK_FUNC = "producer.bulk_orchestrator.run_bulk"
+#: orchestrator lease: a dead orchestrator's bulk is picked up again this long after its last heartbeat
+LEASE_S = 15.0
+
+
+class BulkStatus(str, Enum):
+    """OpenAI Batch statuses."""
+
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (BulkStatus.COMPLETED, BulkStatus.FAILED, BulkStatus.CANCELLED, BulkStatus.EXPIRED)
+
+
+class BulkSpec(BaseModel):
+    """What a bulk was asked to do; stored as JSON in the status hash's ``spec`` field."""
+
+    bulk_id: str
+    input: str
+    output: str
+    model: str | None = None
+    lane: Lane = Lane.LOW
+    shard_lines: int = Field(10_000, ge=1)
+    max_outstanding: int = Field(2_048, ge=1)
+    completion_window_s: float | None = Field(None, gt=0)
+    s3_endpoint_url: str | None = None
+    job_result_ttl_s: int = Field(3_600, ge=1)
+    created_at: float = Field(default_factory=time.time)
+
+
+def new_bulk_id() -> str:
+    return f"batch_{uuid.uuid4().hex[:24]}"
+
+
+def _text(v: Any) -> Any:
+    return v.decode("utf-8") if isinstance(v, bytes) else v
+
+
+def bulk_queue(connection: redis.Redis, name: str = BULK_QUEUE):
+    """The RQ queue for orchestration jobs, with the JSON serializer (never pickle)."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    return Queue(name, connection=connection, serializer=JSONSerializer)
+
+
+def _rq_connection(conn: redis.Redis) -> redis.Redis:
+    # RQ wants bytes back; our own helpers use decode_responses=True.
+    kwargs = dict(conn.connection_pool.connection_kwargs)
+    kwargs["decode_responses"] = False
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=conn.connection_pool.connection_class, **kwargs))
+
+
+def enqueue_run(conn: redis.Redis, bulk_id: str, *, job_id: str | None = None, queue_name: str = BULK_QUEUE,
+                pipeline: redis.client.Pipeline | None = None) -> str:
+    """Enqueue the orchestration job of ``bulk_id`` on RQ; returns the RQ job id."""
+    from rq import Retry
+
+    queue = bulk_queue(_rq_connection(conn), queue_name)
+    job = queue.enqueue(
+        RUN_BULK_FUNC,
+        bulk_id,
+        job_id=job_id or bulk_id,
+        job_timeout=-1,  # a bulk runs as long as it takes; leases, not timeouts, detect a dead one
+        result_ttl=7 * 24 * 3600,
+        failure_ttl=7 * 24 * 3600,
+        retry=Retry(max=3),
+        meta={"bulk_id": bulk_id},
+        description=f"pagestream bulk {bulk_id}",
+    )
+    conn.hset(bulk_keys.bulk_hash(bulk_id), "rq_job_id", job.id)
+    return job.id
+
+
+def submit_bulk(
+    input: str,
+    output: str,
+    *,
+    redis_url: str | None = None,
+    connection: redis.Redis | None = None,
+    model: str | None = None,
+    lane: Lane | str = Lane.LOW,
+    shard_lines: int = 10_000,
+    max_outstanding: int = 2_048,
+    completion_window_s: float | None = None,
+    s3_endpoint_url: str | None = None,
+    queue_name: str = BULK_QUEUE,
+    bulk_id: str | None = None,
+) -> str:
+    """Create a bulk and enqueue its orchestration job; returns the bulk id.
+
+    ``input`` is a local path, ``file://`` URI or ``s3://bucket/key``; ``output`` a
+    local directory, ``file://`` URI or ``s3://bucket/prefix``. Nothing is read
+    here: the orchestrator validates both (status ``validating``) and fails the
+    bulk with a clear error if either is unusable.
+    """
+    if connection is None:
+        if redis_url is None:
+            raise ValueError("pass redis_url or connection")
+        connection = redis.Redis.from_url(redis_url, decode_responses=True)
+    spec = BulkSpec(
+        bulk_id=bulk_id or new_bulk_id(), input=input, output=output, model=model, lane=Lane(lane),
+        shard_lines=shard_lines, max_outstanding=max_outstanding, completion_window_s=completion_window_s,
+        s3_endpoint_url=s3_endpoint_url,
+    )
+    key = bulk_keys.bulk_hash(spec.bulk_id)
+    created = connection.hsetnx(key, "spec", spec.model_dump_json())
+    if not created:
+        raise ValueError(f"bulk {spec.bulk_id} already exists")
+    pipe = connection.pipeline()
+    pipe.hset(key, mapping={"status": BulkStatus.VALIDATING.value, "created_at": repr(spec.created_at),
+                            "line": 0, "offset": 0, "submitted": 0, "invalid": 0, "completed": 0, "failed": 0})
+    pipe.zadd(bulk_keys.bulk_index(), {spec.bulk_id: spec.created_at})
+    pipe.execute()
+    enqueue_run(connection, spec.bulk_id, queue_name=queue_name)
+    return spec.bulk_id
+
+
+def load_spec(conn: redis.Redis, bulk_id: str) -> BulkSpec:
+    raw = conn.hget(bulk_keys.bulk_hash(bulk_id), "spec")
+    if raw is None:
+        raise KeyError(f"no bulk {bulk_id!r}")
+    return BulkSpec.model_validate_json(_text(raw))
+
+
+def request_counts(state: dict[str, Any]) -> dict[str, int]:
+    """OpenAI's ``request_counts`` from a status hash: input lines, done OK, failed (bad lines included)."""
+    if state.get("final_counts"):
+        return json.loads(state["final_counts"])
+    invalid = int(state.get("invalid", 0) or 0)
+    submitted = int(state.get("submitted", 0) or 0)
+    return {
+        "total": submitted + invalid,
+        "completed": int(state.get("completed", 0) or 0),
+        "failed": int(state.get("failed", 0) or 0) + invalid,
+    }
+
+
+def get_bulk(conn: redis.Redis, bulk_id: str) -> dict[str, Any]:
+    """Status of a bulk as a JSON-able dict (OpenAI batch-like). Raises ``KeyError`` if unknown."""
+    state = {_text(k): _text(v) for k, v in conn.hgetall(bulk_keys.bulk_hash(bulk_id)).items()}
+    if not state or "spec" not in state:
+        raise KeyError(f"no bulk {bulk_id!r}")
+    spec = BulkSpec.model_validate_json(state["spec"])
+    out: dict[str, Any] = {
+        "id": bulk_id,
+        "object": "batch",
+        "status": state.get("status"),
+        "input": spec.input,
+        "output": spec.output,
+        "model": spec.model,
+        "created_at": float(state["created_at"]) if state.get("created_at") else None,
+        "finished_at": float(state["finished_at"]) if state.get("finished_at") else None,
+        "request_counts": request_counts(state),
+        "lines_read": int(state.get("line", 0) or 0),
+        "input_done": state.get("input_done") == "1",
+        "rq_job_id": state.get("rq_job_id"),
+        "error": state.get("error"),
+        "manifest": state.get("manifest"),
+    }
+    if state.get("sink_error"):
+        out["sink_error"] = state["sink_error"]
+    return out
+
+
+def cancel_bulk(conn: redis.Redis, bulk_id: str) -> str:
+    """Ask the orchestrator to stop feeding and finalize what is done; returns the resulting status."""
+    key = bulk_keys.bulk_hash(bulk_id)
+    if not conn.exists(key):
+        raise KeyError(f"no bulk {bulk_id!r}")
+    status = BulkStatus(_text(conn.hget(key, "status")))
+    if status.is_final:
+        return status.value
+    pipe = conn.pipeline()
+    pipe.hset(key, mapping={"cancel_requested": repr(time.time()), "status": BulkStatus.CANCELLING.value})
+    pipe.execute()
+    return BulkStatus.CANCELLING.value
+
+
+def bulk_is_live(conn: redis.Redis, bulk_id: str) -> bool:
+    """False once a bulk is final or cancelling: a worker may skip (or drop results of) its queued jobs."""
+    status = conn.hget(bulk_keys.bulk_hash(bulk_id), "status")
+    if status is None:
+        return False
+    st = BulkStatus(_text(status))
+    return not (st.is_final or st == BulkStatus.CANCELLING)
+
+
+def list_bulks(conn: redis.Redis, limit: int = 100) -> list[str]:
+    return [_text(x) for x in conn.zrevrange(bulk_keys.bulk_index(), 0, limit - 1)]
+
+
+def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]:
+    """Re-enqueue bulks whose orchestrator died (lease expired, no RQ job waiting); returns their ids.
+
+    ``pagestream bulk-worker`` calls this at start and every few seconds, so a
+    ``kill -9`` of the RQ worker running a bulk costs one lease period, not the bulk.
+    """
+    from rq.exceptions import NoSuchJobError
+    from rq.job import Job, JobStatus
+
+    rescued = []
+    rq_conn = None
+    for bulk_id in list_bulks(conn, limit=1000):
+        key = bulk_keys.bulk_hash(bulk_id)
+        status, rq_job_id = conn.hmget(key, "status", "rq_job_id")
+        if status is None or BulkStatus(_text(status)).is_final:
+            continue
+        if conn.exists(bulk_keys.bulk_lock(bulk_id)):
+            continue  # an orchestrator holds the lease
+        if rq_job_id:
+            rq_conn = rq_conn or _rq_connection(conn)
+            try:
+                st = Job.fetch(_text(rq_job_id), connection=rq_conn).get_status()
+            except NoSuchJobError:
+                st = None
+            if st in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
+                continue
+            if st == JobStatus.STARTED and time.time() - _heartbeat_at(conn, bulk_id) < LEASE_S:
+                continue  # just started, has not taken the lease yet
+        if not conn.set(bulk_keys.bulk_rescue_marker(bulk_id), "1", nx=True, ex=30):
+            continue
+        n = conn.hincrby(key, "restarts", 1)
+        enqueue_run(conn, bulk_id, job_id=f"{bulk_id}-r{n}", queue_name=queue_name)
+        rescued.append(bulk_id)
+    return rescued
+
+
+def _heartbeat_at(conn: redis.Redis, bulk_id: str) -> float:
+    return float(_text(conn.hget(bulk_keys.bulk_hash(bulk_id), "heartbeat_at") or 0))
+
+
+def dumps_status(status: dict[str, Any]) -> str:
+    return json.dumps(status, indent=2, sort_keys=True)

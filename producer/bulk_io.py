@@ -1,0 +1,260 @@
+"""Bulk input lines in, OpenAI batch output lines out.
+
+Input, one JSON object per line, in either form:
+
+- OpenAI Batch: ``{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", "body": {...}}``
+- plain: ``{"custom_id"?, "prompt" | "messages", <sampling fields>}`` (custom_id defaults to ``line-<n>``)
+
+``parse_line`` never raises on user input: a bad line comes back as ``BadLine``
+with its 1-based line number and a reason that says what was wrong.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+COMPLETIONS_URL = "/v1/completions"
+CHAT_URL = "/v1/chat/completions"
+SUPPORTED_URLS = (COMPLETIONS_URL, CHAT_URL)
+MAX_CUSTOM_ID_CHARS = 512
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class RequestBody(BaseModel):
+    """The fields of a completions / chat body we act on; unknown fields are ignored like OpenAI's batch does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    n: int = 1
+
+    @field_validator("n")
+    @classmethod
+    def _one_sample(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported in bulk requests")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, v):
+        if isinstance(v, list):
+            if len(v) != 1:
+                raise ValueError("prompt must be a string (or a list of exactly one string)")
+            return v[0]
+        return v
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of 'prompt' or 'messages' is required")
+        if self.messages is not None and not self.messages:
+            raise ValueError("'messages' must not be empty")
+        return self
+
+    def sampling(self) -> dict[str, Any]:
+        """Sampling fields as the job schema names them (None means the worker's default)."""
+        out = {
+            "max_tokens": self.max_completion_tokens or self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass(slots=True)
+class BulkRequest:
+    """One valid input line."""
+
+    line: int
+    custom_id: str
+    url: str  # COMPLETIONS_URL or CHAT_URL
+    body: RequestBody
+
+    @property
+    def is_chat(self) -> bool:
+        return self.url == CHAT_URL
+
+
+@dataclass(slots=True)
+class BadLine:
+    line: int
+    reason: str
+    custom_id: str | None = None
+
+
+def _format_validation(exc: ValidationError, where: str) -> str:
+    parts = []
+    for err in exc.errors()[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "__root__")
+        msg = err.get("msg", "invalid")
+        parts.append(f"{where}{'.' + loc if loc else ''}: {msg}")
+    return "; ".join(parts)
+
+
+def parse_line(raw: bytes | str, line: int) -> BulkRequest | BadLine | None:
+    """Parse one input line; ``None`` for a blank line (skipped, not an error)."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return BadLine(line, f"not UTF-8: {exc.reason} at byte {exc.start}")
+    if not raw.strip():
+        return None
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return BadLine(line, f"invalid JSON: {exc.msg} at column {exc.colno}")
+    if not isinstance(obj, dict):
+        return BadLine(line, f"a line must be a JSON object, got {type(obj).__name__}")
+
+    custom_id = obj.get("custom_id")
+    if custom_id is not None and (not isinstance(custom_id, str) or not custom_id):
+        return BadLine(line, "custom_id must be a non-empty string")
+    if custom_id is not None and len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        return BadLine(line, f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters")
+
+    if "body" in obj or "url" in obj or "method" in obj:
+        if custom_id is None:
+            return BadLine(line, "custom_id is required in the OpenAI batch form")
+        method = obj.get("method", "POST")
+        if method != "POST":
+            return BadLine(line, f"method must be POST, got {method!r}", custom_id)
+        url = obj.get("url")
+        if url not in SUPPORTED_URLS:
+            return BadLine(line, f"url must be one of {', '.join(SUPPORTED_URLS)}, got {url!r}", custom_id)
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            return BadLine(line, "body must be a JSON object", custom_id)
+        try:
+            parsed = RequestBody.model_validate(body)
+        except ValidationError as exc:
+            return BadLine(line, _format_validation(exc, "body"), custom_id)
+        if url == COMPLETIONS_URL and parsed.prompt is None:
+            return BadLine(line, f"{COMPLETIONS_URL} needs body.prompt", custom_id)
+        if url == CHAT_URL and parsed.messages is None:
+            return BadLine(line, f"{CHAT_URL} needs body.messages", custom_id)
+        return BulkRequest(line=line, custom_id=custom_id, url=url, body=parsed)
+
+    fields = {k: v for k, v in obj.items() if k != "custom_id"}
+    try:
+        parsed = RequestBody.model_validate(fields)
+    except ValidationError as exc:
+        return BadLine(line, _format_validation(exc, "line"), custom_id)
+    url = CHAT_URL if parsed.messages is not None else COMPLETIONS_URL
+    return BulkRequest(line=line, custom_id=custom_id or f"line-{line}", url=url, body=parsed)
+
+
+# ---- output records -------------------------------------------------------------------------
+
+def request_id(bulk_id: str, line: int) -> str:
+    """The job id of a bulk line: deterministic, so a resumed orchestrator re-queues the same id."""
+    return f"{bulk_id}-L{line}"
+
+
+def line_of_job_id(job_id: str) -> int:
+    """Inverse of ``request_id``: the input line number a bulk job came from."""
+    return int(job_id.rsplit("-L", 1)[1])
+
+
+@dataclass(slots=True)
+class PartEntry:
+    """One line of a part file: the final output record plus what compaction sorts and dedupes on."""
+
+    line: int
+    custom_id: str | None
+    ok: bool
+    record: dict[str, Any] = field(default_factory=dict)
+
+    def dumps(self) -> bytes:
+        return (json.dumps({"line": self.line, "custom_id": self.custom_id, "ok": self.ok, "record": self.record},
+                           ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+
+    @classmethod
+    def loads(cls, raw: bytes) -> "PartEntry":
+        obj = json.loads(raw)
+        return cls(line=obj["line"], custom_id=obj["custom_id"], ok=obj["ok"], record=obj["record"])
+
+
+def bad_line_entry(bulk_id: str, bad: BadLine) -> PartEntry:
+    record = {
+        "id": f"batch_req_{request_id(bulk_id, bad.line)}",
+        "custom_id": bad.custom_id,
+        "response": None,
+        "error": {"code": "invalid_request", "message": bad.reason, "line": bad.line},
+    }
+    return PartEntry(line=bad.line, custom_id=bad.custom_id, ok=False, record=record)
+
+
+def result_entry(
+    *,
+    job_id: str,
+    custom_id: str,
+    chat: bool,
+    line: int | None = None,
+    model: str | None,
+    text: str | None,
+    finish_reason: str | None,
+    error: str | None,
+    prompt_tokens: int | None = None,
+    completion_tokens: int | None = None,
+    created: int | None = None,
+) -> PartEntry:
+    """The OpenAI batch output line for one finished job (success or error)."""
+    line = line if line is not None else line_of_job_id(job_id)
+    rid = f"batch_req_{job_id}"
+    if error is not None:
+        record = {
+            "id": rid,
+            "custom_id": custom_id,
+            "response": None,
+            "error": {"code": "generation_failed", "message": error, "line": line},
+        }
+        return PartEntry(line=line, custom_id=custom_id, ok=False, record=record)
+    created = created if created is not None else int(time.time())
+    usage = None
+    if prompt_tokens is not None or completion_tokens is not None:
+        p, c = prompt_tokens or 0, completion_tokens or 0
+        usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text or ""},
+                  "finish_reason": finish_reason, "logprobs": None}
+        body = {"id": f"chatcmpl-{job_id}", "object": "chat.completion", "created": created, "model": model,
+                "choices": [choice], "usage": usage}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        body = {"id": f"cmpl-{job_id}", "object": "text_completion", "created": created, "model": model,
+                "choices": [choice], "usage": usage}
+    record = {"id": rid, "custom_id": custom_id,
+              "response": {"status_code": 200, "request_id": job_id, "body": body}, "error": None}
+    return PartEntry(line=line, custom_id=custom_id, ok=True, record=record)

@@ -1,0 +1,410 @@
+"""The bulk orchestrator: the RQ job that feeds a bulk's lines to the workers and finalizes it.
+
+``run_bulk(bulk_id)`` is what RQ runs (JSON serializer, queue ``pagestream-bulk``).
+It is safe to run again at any point (an RQ retry, a rescue after ``kill -9``):
+
+- one orchestrator per bulk at a time: a lease in Redis (``SET NX PX``,
+  refreshed by a heartbeat thread); every checkpoint commit is a MULTI/EXEC
+  guarded by WATCH on the lease, so a stale orchestrator cannot commit;
+- the input is read as a stream from the checkpointed byte offset; a chunk of
+  lines becomes jobs and a checkpoint in one transaction, and job ids are
+  derived from (bulk id, line) so a re-queued job is a no-op (the producer's
+  submit is idempotent by job id);
+- outstanding jobs (queued, not yet in a durable part) are bounded by
+  ``max_outstanding``; completion counts come from the bulk sink, which counts
+  each custom_id once (SADD) after its part is durable;
+- finalize compacts the parts recorded in the status hash (``bulk_finalize``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from producer import bulk_keys
+from producer.bulk import LEASE_S, BulkSpec, BulkStatus, load_spec, request_counts
+from producer.bulk_finalize import PARTS_PREFIX, compact, list_parts, manifest_header, remove_parts
+from producer.bulk_io import BadLine, BulkRequest, bad_line_entry, parse_line, request_id
+from producer.bulk_storage import StorageError, StorageSettings, open_input, open_storage
+from producer.client import Producer
+from producer.schema import JobRequest, OutputTarget
+
+log = logging.getLogger(__name__)
+
+#: input lines per checkpoint transaction
+CHUNK_LINES = 256
+POLL_S = 0.2
+META_EVERY_S = 1.0
+#: how long a cancelled bulk waits for jobs already queued before finalizing what is done
+CANCEL_GRACE_S = 60.0
+#: keep the status hash this long after the bulk is final
+STATUS_TTL_S = 30 * 24 * 3600
+
+_REFRESH_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class BulkFailed(RuntimeError):
+    """The bulk ended as failed; the message is what ``bulk status`` shows."""
+
+
+class LeaseLost(RuntimeError):
+    """Another orchestrator took over this bulk; this one stops without writing."""
+
+
+def _text(v: Any) -> Any:
+    return v.decode("utf-8") if isinstance(v, bytes) else v
+
+
+def _decoded(conn: redis.Redis) -> redis.Redis:
+    kwargs = dict(conn.connection_pool.connection_kwargs)
+    kwargs["decode_responses"] = True
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=conn.connection_pool.connection_class, **kwargs))
+
+
+def run_bulk(bulk_id: str, redis_url: str | None = None) -> dict[str, Any]:
+    """RQ entry point: run (or resume) bulk ``bulk_id`` to a final status; returns its status dict."""
+    from rq import get_current_job
+
+    job = get_current_job()
+    if redis_url is not None:
+        conn = redis.Redis.from_url(redis_url, decode_responses=True)
+    elif job is not None:
+        conn = _decoded(job.connection)
+    else:
+        raise ValueError("run_bulk outside RQ needs redis_url")
+    return Orchestrator(conn, bulk_id, rq_job=job).run()
+
+
+class Orchestrator:
+    def __init__(self, conn: redis.Redis, bulk_id: str, rq_job=None, storage_settings: StorageSettings | None = None):
+        self.conn = conn
+        self.bulk_id = bulk_id
+        self.rq_job = rq_job
+        self.key = bulk_keys.bulk_hash(bulk_id)
+        self.lock_key = bulk_keys.bulk_lock(bulk_id)
+        self.spec: BulkSpec = load_spec(conn, bulk_id)
+        settings = storage_settings or StorageSettings()
+        if self.spec.s3_endpoint_url:
+            settings = settings.model_copy(update={"s3_endpoint_url": self.spec.s3_endpoint_url})
+        self.storage_settings = settings
+        self.producer = Producer(conn)
+        self.token = f"{time.time():.6f}-{id(self)}"
+        self.lease_lost = threading.Event()
+        self._stop = threading.Event()
+        self._refresh = conn.register_script(_REFRESH_LUA)
+        self._release = conn.register_script(_RELEASE_LUA)
+        self._last_meta = 0.0
+
+    # ---- state ------------------------------------------------------------------------------
+    def state(self) -> dict[str, str]:
+        return {_text(k): _text(v) for k, v in self.conn.hgetall(self.key).items()}
+
+    def status(self) -> BulkStatus:
+        return BulkStatus(_text(self.conn.hget(self.key, "status")))
+
+    def summary(self) -> dict[str, Any]:
+        st = self.state()
+        return {"bulk_id": self.bulk_id, "status": st.get("status"), "request_counts": request_counts(st),
+                "manifest": st.get("manifest"), "error": st.get("error")}
+
+    def _set_status(self, status: BulkStatus, **fields: Any) -> None:
+        self.conn.hset(self.key, mapping={"status": status.value, **{k: str(v) for k, v in fields.items()}})
+        self._save_meta(force=True)
+
+    def _save_meta(self, force: bool = False) -> None:
+        now = time.time()
+        if self.rq_job is None or (not force and now - self._last_meta < META_EVERY_S):
+            return
+        self._last_meta = now
+        st = self.state()
+        counts = request_counts(st)
+        self.rq_job.meta.update({
+            "bulk_id": self.bulk_id,
+            "status": st.get("status"),
+            "request_counts": counts,
+            "progress": {"lines_read": int(st.get("line", 0)), "input_done": st.get("input_done") == "1",
+                         "done": counts["completed"] + counts["failed"]},
+        })
+        try:
+            self.rq_job.save_meta()
+        except redis.RedisError:
+            log.warning("bulk %s: could not save RQ job meta", self.bulk_id, exc_info=True)
+
+    # ---- lease ------------------------------------------------------------------------------
+    def _acquire(self) -> bool:
+        deadline = time.time() + 2 * LEASE_S
+        while time.time() < deadline:
+            if self.conn.set(self.lock_key, self.token, nx=True, px=int(LEASE_S * 1000)):
+                self.conn.hset(self.key, "heartbeat_at", repr(time.time()))
+                return True
+            if self.status().is_final:
+                return False
+            time.sleep(0.5)
+        return False
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(LEASE_S / 3):
+            try:
+                if not self._refresh(keys=[self.lock_key], args=[self.token, int(LEASE_S * 1000)]):
+                    self.lease_lost.set()
+                    return
+                self.conn.hset(self.key, "heartbeat_at", repr(time.time()))
+            except redis.RedisError:
+                log.warning("bulk %s: lease refresh failed", self.bulk_id, exc_info=True)
+
+    def _check_lease(self) -> None:
+        if self.lease_lost.is_set():
+            raise LeaseLost(f"bulk {self.bulk_id}: lease lost to another orchestrator")
+
+    # ---- run --------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        status = self.status()
+        if status == BulkStatus.FAILED:
+            raise BulkFailed(self.state().get("error") or "bulk failed")
+        if status.is_final:
+            return self.summary()
+        if not self._acquire():
+            log.info("bulk %s is being run by another orchestrator", self.bulk_id)
+            return self.summary()
+        beat = threading.Thread(target=self._heartbeat, name=f"bulk-lease-{self.bulk_id}", daemon=True)
+        beat.start()
+        try:
+            self._run_locked()
+        except (BulkFailed, StorageError) as exc:
+            if isinstance(exc, StorageError) and not exc.permanent:
+                raise  # transient after all retries: let RQ retry the job, which resumes
+            self._fail(str(exc))
+            raise BulkFailed(str(exc)) from exc
+        finally:
+            self._stop.set()
+            beat.join(timeout=5)
+            self._release(keys=[self.lock_key], args=[self.token])
+        return self.summary()
+
+    def _fail(self, message: str) -> None:
+        log.error("bulk %s failed: %s", self.bulk_id, message)
+        self._set_status(BulkStatus.FAILED, error=message, finished_at=repr(time.time()))
+        self.conn.expire(self.key, STATUS_TTL_S)
+
+    def _run_locked(self) -> None:
+        if self.status() == BulkStatus.VALIDATING:
+            self._validate()
+            self._set_status(BulkStatus.IN_PROGRESS)
+        st = self.state()
+        if st.get("input_done") != "1" and not self._should_stop_feeding(st):
+            self._feed()
+        self._drain()
+        self._finalize()
+
+    def _validate(self) -> None:
+        try:
+            storage, name = open_input(self.spec.input, self.storage_settings)
+            storage.check_readable(name)
+        except StorageError as exc:
+            raise BulkFailed(f"input {self.spec.input} is not readable: {exc}") from exc
+        except ValueError as exc:
+            raise BulkFailed(str(exc)) from exc
+        try:
+            open_storage(self.spec.output, self.storage_settings).check_writable()
+        except StorageError as exc:
+            raise BulkFailed(f"output {self.spec.output} is not writable: {exc}") from exc
+        except ValueError as exc:
+            raise BulkFailed(str(exc)) from exc
+
+    def _should_stop_feeding(self, st: dict[str, str]) -> bool:
+        if st.get("cancel_requested"):
+            return True
+        window = self.spec.completion_window_s
+        return window is not None and time.time() > self.spec.created_at + window
+
+    def _check_sink(self, st: dict[str, str]) -> None:
+        if st.get("sink_error_permanent") == "1":
+            raise BulkFailed(f"workers cannot write parts to {self.spec.output}: {st.get('sink_error')}")
+
+    # ---- feed -------------------------------------------------------------------------------
+    def _feed(self) -> None:
+        st = self.state()
+        line = int(st.get("line", 0))
+        offset = int(st.get("offset", 0))
+        storage, name = open_input(self.spec.input, self.storage_settings)
+        out = open_storage(self.spec.output, self.storage_settings)
+        chunk: list[tuple[int, bytes]] = []
+        for raw, end in storage.open_lines(name, offset):
+            line += 1
+            chunk.append((line, raw))
+            if len(chunk) >= CHUNK_LINES:
+                self._commit(chunk, end, out)
+                chunk = []
+                if not self._throttle():
+                    return
+        self._commit(chunk, None, out, input_done=True)
+
+    def _throttle(self) -> bool:
+        """Wait while too many jobs are outstanding; False if feeding should stop (cancel/expiry)."""
+        while True:
+            self._check_lease()
+            st = self.state()
+            self._check_sink(st)
+            self._save_meta()
+            if self._should_stop_feeding(st):
+                return False
+            outstanding = int(st.get("submitted", 0)) - int(st.get("completed", 0)) - int(st.get("failed", 0))
+            if outstanding < self.spec.max_outstanding:
+                return True
+            time.sleep(POLL_S)
+
+    def _jobs_for(self, chunk: list[tuple[int, bytes]]) -> tuple[list[dict[str, Any]], list[BadLine]]:
+        """Valid lines as JobRequest keyword fields (already validated), and the bad lines."""
+        parsed: list[BulkRequest] = []
+        bad: list[BadLine] = []
+        for line, raw in chunk:
+            item = parse_line(raw, line)
+            if item is None:
+                continue
+            (bad if isinstance(item, BadLine) else parsed).append(item)
+        if parsed:
+            # First line to use a custom_id owns it; HSETNX keeps that across a resume.
+            seen_key = bulk_keys.bulk_seen_hash(self.bulk_id)
+            pipe = self.conn.pipeline(transaction=False)
+            for req in parsed:
+                pipe.hsetnx(seen_key, req.custom_id, req.line)
+            pipe.hmget(seen_key, [req.custom_id for req in parsed])
+            owners = pipe.execute()[-1]
+            unique = []
+            for req, owner in zip(parsed, owners):
+                if int(owner) != req.line:
+                    bad.append(BadLine(req.line, f"duplicate custom_id (first used on line {owner})", req.custom_id))
+                else:
+                    unique.append(req)
+            parsed = unique
+        jobs = []
+        for req in parsed:
+            body = req.body
+            fields: dict[str, Any] = dict(
+                job_id=request_id(self.bulk_id, req.line),
+                model=body.model or self.spec.model,
+                lane=self.spec.lane,
+                result_ttl_s=self.spec.job_result_ttl_s,
+                output=OutputTarget(kind="bulk", bulk_id=self.bulk_id, custom_id=req.custom_id, uri=self.spec.output),
+                metadata={"bulk_line": req.line},
+                **body.sampling(),
+            )
+            if req.is_chat:
+                fields["messages"] = [m.model_dump() for m in body.messages or []]
+            else:
+                fields["prompt"] = body.prompt
+            try:
+                JobRequest(**fields)
+                jobs.append(fields)
+            except ValidationError as exc:
+                reason = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
+                bad.append(BadLine(req.line, reason, req.custom_id))
+        return jobs, sorted(bad, key=lambda b: b.line)
+
+    def _commit(self, chunk: list[tuple[int, bytes]], end_offset: int | None, out, input_done: bool = False) -> None:
+        jobs, bad = self._jobs_for(chunk)
+        if bad:
+            # Deterministic name: a resumed chunk rewrites the same bytes.
+            data = b"".join(bad_line_entry(self.bulk_id, b).dumps() for b in bad)
+            out.put_bytes(f"{PARTS_PREFIX}_input-{bad[0].line:010d}.jsonl", data)
+        last_line = chunk[-1][0] if chunk else None
+        while True:
+            self._check_lease()
+            with self.conn.pipeline() as pipe:
+                try:
+                    pipe.watch(self.lock_key)
+                    if _text(pipe.get(self.lock_key)) != self.token:
+                        raise LeaseLost(f"bulk {self.bulk_id}: lease lost before commit")
+                    pipe.multi()
+                    for fields in jobs:
+                        # keyword form: Producer.submit(JobRequest, pipeline=...) rejects a model
+                        self.producer.submit(pipeline=pipe, **fields)
+                    mapping: dict[str, Any] = {}
+                    if last_line is not None:
+                        mapping["line"] = last_line
+                    if end_offset is not None:
+                        mapping["offset"] = end_offset
+                    if input_done:
+                        mapping["input_done"] = "1"
+                    if mapping:
+                        pipe.hset(self.key, mapping=mapping)
+                    pipe.hincrby(self.key, "submitted", len(jobs))
+                    pipe.hincrby(self.key, "invalid", len(bad))
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue  # the heartbeat's PEXPIRE touched the lease; re-check and retry
+
+    # ---- drain + finalize ---------------------------------------------------------------------
+    def _drain(self) -> None:
+        cancel_deadline = None
+        while True:
+            self._check_lease()
+            st = self.state()
+            self._check_sink(st)
+            self._save_meta()
+            done = int(st.get("completed", 0)) + int(st.get("failed", 0))
+            if done >= int(st.get("submitted", 0)) or st.get("finalize_parts"):
+                return
+            if self._should_stop_feeding(st):
+                if cancel_deadline is None:
+                    cancel_deadline = time.time() + CANCEL_GRACE_S
+                    if st.get("status") != BulkStatus.CANCELLING.value:
+                        self._set_status(BulkStatus.CANCELLING if st.get("cancel_requested") else BulkStatus.IN_PROGRESS)
+                elif time.time() > cancel_deadline:
+                    return
+            time.sleep(POLL_S)
+
+    def _final_status(self, st: dict[str, str]) -> BulkStatus:
+        if st.get("final_status"):
+            return BulkStatus(st["final_status"])
+        if st.get("cancel_requested"):
+            return BulkStatus.CANCELLED
+        if st.get("input_done") != "1" or int(st.get("completed", 0)) + int(st.get("failed", 0)) < int(st.get("submitted", 0)):
+            return BulkStatus.EXPIRED
+        return BulkStatus.COMPLETED
+
+    def _finalize(self) -> None:
+        st = self.state()
+        final = self._final_status(st)
+        out = open_storage(self.spec.output, self.storage_settings)
+        if not st.get("finalize_parts"):
+            # Freeze the part list: a late duplicate part must not change a re-run's bytes.
+            self.conn.hset(self.key, mapping={"finalize_parts": json.dumps(list_parts(out)), "final_status": final.value})
+            st = self.state()
+        parts = json.loads(st["finalize_parts"])
+        if final == BulkStatus.COMPLETED:
+            self._set_status(BulkStatus.FINALIZING)
+        manifest = compact(out, parts, bulk_id=self.bulk_id, shard_lines=self.spec.shard_lines,
+                           header=manifest_header(self.spec, final.value), on_progress=self._check_lease)
+        self._check_lease()
+        counts = manifest["request_counts"]
+        pipe = self.conn.pipeline()
+        pipe.hset(self.key, mapping={
+            "status": final.value, "finished_at": repr(time.time()), "manifest": out.describe("manifest.json"),
+            "final_counts": json.dumps(counts)})
+        pipe.hdel(self.key, "finalize_parts")
+        pipe.delete(bulk_keys.bulk_seen_hash(self.bulk_id), bulk_keys.bulk_done_set(self.bulk_id),
+                    bulk_keys.bulk_part_seq(self.bulk_id))
+        pipe.expire(self.key, STATUS_TTL_S)
+        pipe.execute()
+        self._save_meta(force=True)
+        try:
+            remove_parts(out)
+        except StorageError:
+            log.warning("bulk %s: could not remove part files (the manifest is written)", self.bulk_id, exc_info=True)

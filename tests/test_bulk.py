@@ -1,0 +1,245 @@
+"""Bulk dataset generation against a real Redis, a real RQ worker and moto server over HTTP.
+
+The workers here are a stand-in (tests/test_bulk_support.py) that reads the bulk's
+jobs off the lane stream, answers with a fake engine and feeds the real BulkSink;
+tests/test_bulk_e2e.py runs the real worker processes with the tiny model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import boto3
+import pytest
+import redis
+
+from producer import bulk_keys
+from producer.bulk import BULK_QUEUE, BulkStatus, bulk_queue, cancel_bulk, get_bulk, submit_bulk
+from producer.bulk_io import BadLine, BulkRequest, parse_line
+from producer.bulk_storage import ConflictError, LocalStorage, S3Storage, StorageSettings
+from test_bulk_support import AWS_ENV, fake_text, run_standin, start_moto
+
+
+@pytest.fixture(scope="module")
+def moto_url():
+    proc, url = start_moto()
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def s3(moto_url, monkeypatch):
+    for k, v in AWS_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("S3_ENDPOINT_URL", moto_url)
+    client = boto3.client("s3", endpoint_url=moto_url)
+    return client
+
+
+@pytest.fixture
+def bucket(s3, request):
+    name = "bulk-" + request.node.name.lower().replace("_", "-")[:40]
+    s3.create_bucket(Bucket=name)
+    return name
+
+
+def rq_burst(url: str) -> None:
+    from rq import SimpleWorker
+
+    conn = redis.Redis.from_url(url)
+    q = bulk_queue(conn)
+    SimpleWorker([q], connection=conn, serializer=q.serializer).work(burst=True)
+
+
+def write_input(path, n: int, bad_every: int = 0) -> dict[str, str]:
+    """n lines mixing both forms; every bad_every-th line is malformed. Returns custom_id -> prompt."""
+    expected = {}
+    with open(path, "w") as f:
+        for i in range(1, n + 1):
+            if bad_every and i % bad_every == 0:
+                f.write(["{not json", '{"custom_id": "x%d", "url": "/v1/embeddings", "body": {}}' % i,
+                         '{"prompt": "a", "temperature": -1}', '[1, 2]'][i // bad_every % 4] + "\n")
+                continue
+            cid = f"req-{i}"
+            if i % 3 == 0:
+                line = {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                        "body": {"model": "tiny", "messages": [{"role": "user", "content": f"hello {i}"}],
+                                 "max_tokens": 4}}
+                expected[cid] = f"hello {i}"
+            elif i % 3 == 1:
+                line = {"custom_id": cid, "method": "POST", "url": "/v1/completions",
+                        "body": {"model": "tiny", "prompt": f"prompt {i}", "max_tokens": 4, "temperature": 0}}
+                expected[cid] = f"prompt {i}"
+            else:
+                line = {"custom_id": cid, "prompt": f"plain {i}", "max_tokens": 4}
+                expected[cid] = f"plain {i}"
+            f.write(json.dumps(line) + "\n")
+    return expected
+
+
+def read_jsonl(data: bytes) -> list[dict]:
+    return [json.loads(x) for x in data.splitlines() if x.strip()]
+
+
+# ---- parsing --------------------------------------------------------------------------------
+
+def test_parse_line_forms_and_reasons():
+    ok = parse_line(b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
+                    b'"body": {"prompt": "hi", "max_tokens": 3, "stop": "x"}}', 1)
+    assert isinstance(ok, BulkRequest) and ok.custom_id == "a" and not ok.is_chat
+    assert ok.body.sampling() == {"max_tokens": 3, "stop": ["x"]}
+    plain = parse_line('{"messages": [{"role": "user", "content": "yo"}]}', 7)
+    assert isinstance(plain, BulkRequest) and plain.is_chat and plain.custom_id == "line-7"
+    assert parse_line(b"   ", 3) is None
+    cases = {
+        b"{oops": "invalid JSON",
+        b"[1]": "JSON object",
+        b'{"custom_id": "a", "url": "/v1/embeddings", "body": {}}': "url must be one of",
+        b'{"url": "/v1/completions", "body": {"prompt": "x"}}': "custom_id is required",
+        b'{"custom_id": "a", "url": "/v1/completions", "body": {"messages": [{"role": "user", "content": "x"}]}}':
+            "needs body.prompt",
+        b'{"prompt": "a", "temperature": -1}': "temperature",
+        b'{"prompt": "a", "n": 2}': "n=1",
+        b'{"custom_id": 5, "prompt": "a"}': "custom_id must be",
+        b'\xff\xfe': "not UTF-8",
+        b'{"max_tokens": 3}': "exactly one of 'prompt' or 'messages'",
+    }
+    for raw, reason in cases.items():
+        bad = parse_line(raw, 42)
+        assert isinstance(bad, BadLine) and bad.line == 42 and reason in bad.reason, (raw, bad)
+
+
+# ---- storage --------------------------------------------------------------------------------
+
+def test_local_storage_write_once_and_stream(tmp_path):
+    st = LocalStorage(f"file://{tmp_path}/out")
+    src = tmp_path / "shard"
+    src.write_bytes(b"a\nbb\nccc\n")
+    info = st.put_file_once("output-00000.jsonl", src)
+    assert info.size_bytes == 9 and st.put_file_once("output-00000.jsonl", src).sha256 == info.sha256
+    src.write_bytes(b"different\n")
+    with pytest.raises(ConflictError):
+        st.put_file_once("output-00000.jsonl", src)
+    lines = list(st.open_lines("output-00000.jsonl"))
+    assert lines == [(b"a", 2), (b"bb", 5), (b"ccc", 9)]
+    assert list(st.open_lines("output-00000.jsonl", offset=5)) == [(b"ccc", 9)]
+
+
+def test_s3_storage_multipart_write_once_and_ranged_stream(s3, bucket, tmp_path, moto_url):
+    st = S3Storage(f"s3://{bucket}/run", StorageSettings(s3_endpoint_url=moto_url))
+    src = tmp_path / "shard"
+    src.write_bytes(b"x" * (9 * 1024 * 1024) + b"\nend\n")  # two multipart parts
+    info = st.put_file_once("output-00000.jsonl", src)
+    head = s3.head_object(Bucket=bucket, Key="run/output-00000.jsonl")
+    assert head["ContentLength"] == info.size_bytes and head["Metadata"]["sha256"] == info.sha256
+    assert st.put_file_once("output-00000.jsonl", src) == info  # same bytes: a no-op
+    src.write_bytes(b"other\n")
+    with pytest.raises(ConflictError):
+        st.put_file_once("output-00000.jsonl", src)
+    assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    lines = list(st.open_lines("output-00000.jsonl", offset=9 * 1024 * 1024 + 1))
+    assert lines == [(b"end", info.size_bytes)]
+
+
+# ---- end to end with the stand-in worker ----------------------------------------------------
+
+def run_bulk_with_standins(redis_url, bulk_id, n_workers=2, **kw):
+    stop = threading.Event()
+    threads = [threading.Thread(target=run_standin, args=(redis_url, f"w{i}"), kwargs={"stop": stop, **kw})
+               for i in range(n_workers)]
+    for t in threads:
+        t.start()
+    try:
+        rq_burst(redis_url)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    return get_bulk(redis.Redis.from_url(redis_url, decode_responses=True), bulk_id)
+
+
+def test_bulk_s3_end_to_end_one_line_per_custom_id(redis_url, s3, bucket, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    expected = write_input(inp, 300, bad_every=25)
+    s3.upload_file(str(inp), bucket, "input/in.jsonl")
+    bulk_id = submit_bulk(f"s3://{bucket}/input/in.jsonl", f"s3://{bucket}/out", redis_url=redis_url,
+                          shard_lines=100, max_outstanding=64, model="tiny")
+    st = run_bulk_with_standins(redis_url, bulk_id)
+    assert st["status"] == "completed", st
+    assert st["request_counts"] == {"total": 300, "completed": 288, "failed": 12}
+
+    keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="out/")["Contents"])
+    assert keys == ["out/errors-00000.jsonl", "out/manifest.json", "out/output-00000.jsonl",
+                    "out/output-00001.jsonl", "out/output-00002.jsonl"]  # parts removed
+    manifest = json.loads(s3.get_object(Bucket=bucket, Key="out/manifest.json")["Body"].read())
+    assert manifest["request_counts"] == {"total": 300, "completed": 288, "failed": 12}
+    assert [s["lines"] for s in manifest["output_shards"]] == [100, 100, 88]
+    out = []
+    for shard in manifest["output_shards"]:
+        obj = s3.get_object(Bucket=bucket, Key=f"out/{shard['name']}")
+        assert obj["ContentLength"] == shard["bytes"]
+        out += read_jsonl(obj["Body"].read())
+    assert sorted(r["custom_id"] for r in out) == sorted(expected)
+    by_id = {r["custom_id"]: r for r in out}
+    chat = by_id["req-3"]["response"]["body"]
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"] == "echo:" + "3 olleh"
+    comp = by_id["req-1"]["response"]
+    assert comp["status_code"] == 200 and comp["body"]["choices"][0]["text"] == "echo:" + "1 tpmorp"
+    assert comp["body"]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    errors = read_jsonl(s3.get_object(Bucket=bucket, Key="out/errors-00000.jsonl")["Body"].read())
+    assert [e["error"]["line"] for e in errors] == list(range(25, 301, 25))
+    assert all(e["response"] is None and e["error"]["message"] for e in errors)
+    # RQ shows it like any other job, with progress in meta
+    from rq.job import Job
+
+    job = Job.fetch(bulk_id, connection=redis.Redis.from_url(redis_url), serializer=bulk_queue(redis.Redis()).serializer)
+    assert job.get_status() == "finished" and job.meta["request_counts"]["completed"] == 288
+    # bookkeeping sets are gone, the status hash stays (with a TTL)
+    r = redis.Redis.from_url(redis_url)
+    assert not r.exists(bulk_keys.bulk_done_set(bulk_id), bulk_keys.bulk_seen_hash(bulk_id))
+    assert r.ttl(bulk_keys.bulk_hash(bulk_id)) > 0
+
+
+def test_bulk_local_dir_duplicates_and_engine_errors(redis_url, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    lines = [{"custom_id": "a", "prompt": "one"}, {"custom_id": "b", "prompt": "BOOM"},
+             {"custom_id": "a", "prompt": "dup"}, {"prompt": "auto id"}]
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines) + "\n")
+    out = tmp_path / "out"
+    bulk_id = submit_bulk(str(inp), str(out), redis_url=redis_url)
+    st = run_bulk_with_standins(redis_url, bulk_id, n_workers=1, fail_prompt="BOOM")
+    assert st["status"] == "completed" and st["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+    assert sorted(p.name for p in out.iterdir()) == ["errors-00000.jsonl", "manifest.json", "output-00000.jsonl"]
+    ok = read_jsonl((out / "output-00000.jsonl").read_bytes())
+    assert [r["custom_id"] for r in ok] == ["a", "line-4"]
+    errs = read_jsonl((out / "errors-00000.jsonl").read_bytes())
+    assert [(e["custom_id"], e["error"]["line"]) for e in errs] == [("b", 2), ("a", 3)]
+    assert errs[0]["error"]["message"] == "engine exploded"
+    assert "duplicate custom_id (first used on line 1)" in errs[1]["error"]["message"]
+
+
+def test_missing_bucket_fails_fast_with_clear_message(redis_url, s3, bucket, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 5)
+    bulk_id = submit_bulk(str(inp), "s3://no-such-bucket-here/out", redis_url=redis_url)
+    rq_burst(redis_url)
+    st = get_bulk(redis.Redis.from_url(redis_url, decode_responses=True), bulk_id)
+    assert st["status"] == "failed"
+    assert "s3://no-such-bucket-here" in st["error"] and "NoSuchBucket" in st["error"]
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    assert r.xlen("ps:jobs:low") == 0  # nothing was queued
+
+
+def test_cancel_finalizes_what_is_done(redis_url, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 200)
+    out = tmp_path / "out"
+    bulk_id = submit_bulk(str(inp), str(out), redis_url=redis_url, max_outstanding=16)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    cancel_bulk(r, bulk_id)  # before anything ran: nothing is fed
+    st = run_bulk_with_standins(redis_url, bulk_id, n_workers=1)
+    assert st["status"] == "cancelled"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "cancelled" and manifest["request_counts"]["total"] < 200

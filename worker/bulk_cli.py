@@ -1,0 +1,155 @@
+"""``pagestream bulk ...`` and ``pagestream bulk-worker``: no torch, no engine imports here.
+
+``worker/cli.py`` mounts these:
+
+    from worker.bulk_cli import bulk_app, bulk_worker
+    app.add_typer(bulk_app, name="bulk")
+    app.command("bulk-worker")(bulk_worker)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import redis
+import typer
+
+from producer.bulk import BULK_QUEUE, BulkStatus, cancel_bulk, dumps_status, get_bulk, rescue_stalled, submit_bulk
+
+bulk_app = typer.Typer(help="Bulk dataset generation: OpenAI-batch JSONL in, sharded JSONL out.", no_args_is_help=True)
+
+_REDIS_URL = typer.Option("redis://127.0.0.1:6379/0", "--redis-url", envvar="REDIS_URL", help="Redis URL")
+_S3_ENDPOINT = typer.Option(None, "--s3-endpoint-url", envvar="S3_ENDPOINT_URL",
+                            help="S3-compatible endpoint (MinIO, moto); default: AWS")
+
+
+def _conn(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, decode_responses=True)
+
+
+@bulk_app.command("submit")
+def submit(
+    input: str = typer.Argument(..., help="input JSONL: local path, file:// or s3://bucket/key"),
+    out: str = typer.Option(..., "--out", help="output: local dir, file:// or s3://bucket/prefix"),
+    redis_url: str = _REDIS_URL,
+    shard_lines: int = typer.Option(10_000, "--shard-lines", min=1, help="lines per output shard"),
+    model: str = typer.Option(None, "--model", help="model name recorded in bodies when a line has none"),
+    lane: str = typer.Option("low", "--lane", help="lane the jobs go to: high, normal, low"),
+    max_outstanding: int = typer.Option(2_048, "--max-outstanding", min=1, help="queued-but-unfinished job bound"),
+    completion_window_s: float = typer.Option(None, "--completion-window-s", help="expire after this many seconds"),
+    s3_endpoint_url: str = _S3_ENDPOINT,
+    wait: bool = typer.Option(False, "--wait", help="show progress and return when the bulk is final"),
+) -> None:
+    """Submit a bulk; prints its id."""
+    conn = _conn(redis_url)
+    try:
+        bulk_id = submit_bulk(input, out, connection=conn, model=model, lane=lane, shard_lines=shard_lines,
+                              max_outstanding=max_outstanding, completion_window_s=completion_window_s,
+                              s3_endpoint_url=s3_endpoint_url)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    typer.echo(bulk_id)
+    if wait:
+        raise typer.Exit(_wait(conn, bulk_id))
+
+
+def _wait(conn: redis.Redis, bulk_id: str, poll_s: float = 0.5) -> int:
+    from tqdm import tqdm
+
+    bar = tqdm(desc=bulk_id, unit="req", dynamic_ncols=True)
+    try:
+        while True:
+            st = get_bulk(conn, bulk_id)
+            counts = st["request_counts"]
+            if st["input_done"] and bar.total != counts["total"]:
+                bar.total = counts["total"]
+            bar.n = counts["completed"] + counts["failed"]
+            bar.set_postfix(status=st["status"], failed=counts["failed"], refresh=False)
+            bar.refresh()
+            if BulkStatus(st["status"]).is_final:
+                break
+            time.sleep(poll_s)
+    finally:
+        bar.close()
+    typer.echo(f"{st['status']}: {counts['completed']} completed, {counts['failed']} failed"
+               + (f"; manifest {st['manifest']}" if st.get("manifest") else "")
+               + (f"; error: {st['error']}" if st.get("error") else ""))
+    return 0 if st["status"] == BulkStatus.COMPLETED.value else 1
+
+
+@bulk_app.command("status")
+def status(
+    bulk_id: str = typer.Argument(...),
+    redis_url: str = _REDIS_URL,
+    as_json: bool = typer.Option(False, "--json", help="print the full status as JSON"),
+) -> None:
+    """Show a bulk's status and request counts."""
+    try:
+        st = get_bulk(_conn(redis_url), bulk_id)
+    except KeyError as exc:
+        typer.echo(f"no bulk {bulk_id}", err=True)
+        raise typer.Exit(2) from exc
+    if as_json:
+        typer.echo(dumps_status(st))
+        return
+    c = st["request_counts"]
+    typer.echo(f"{bulk_id}  {st['status']}  total={c['total']} completed={c['completed']} failed={c['failed']}"
+               f"  lines_read={st['lines_read']}{'' if st['input_done'] else '+'}")
+    for k in ("manifest", "error", "sink_error"):
+        if st.get(k):
+            typer.echo(f"  {k}: {st[k]}")
+
+
+@bulk_app.command("cancel")
+def cancel(bulk_id: str = typer.Argument(...), redis_url: str = _REDIS_URL) -> None:
+    """Stop feeding a bulk; what is done is finalized and the bulk ends as cancelled."""
+    try:
+        typer.echo(cancel_bulk(_conn(redis_url), bulk_id))
+    except KeyError as exc:
+        typer.echo(f"no bulk {bulk_id}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def bulk_worker(
+    redis_url: str = typer.Option(..., "--redis-url", envvar="REDIS_URL", help="Redis URL"),
+    queue: str = typer.Option(BULK_QUEUE, "--queue", help="RQ queue of orchestration jobs"),
+    name: str = typer.Option(None, "--name", help="RQ worker name"),
+    burst: bool = typer.Option(False, "--burst", help="exit when the queue is empty"),
+    rescue_interval_s: float = typer.Option(5.0, "--rescue-interval-s", help="how often to look for stalled bulks"),
+    s3_endpoint_url: str = _S3_ENDPOINT,
+) -> None:
+    """Run the RQ worker for bulk orchestration jobs (``rq worker pagestream-bulk -S rq.serializers.JSONSerializer`` works too).
+
+    Besides running jobs it re-enqueues bulks whose orchestrator died (lease expired).
+    """
+    from rq import SimpleWorker
+
+    from producer.bulk import bulk_queue
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if s3_endpoint_url:
+        os.environ["S3_ENDPOINT_URL"] = s3_endpoint_url
+    conn = redis.Redis.from_url(redis_url)  # RQ wants bytes responses
+    decoded = _conn(redis_url)
+    rescue_stalled(decoded, queue)
+    stop = threading.Event()
+
+    def rescue_loop() -> None:
+        while not stop.wait(rescue_interval_s):
+            try:
+                for bulk_id in rescue_stalled(decoded, queue):
+                    logging.getLogger(__name__).warning("re-enqueued stalled bulk %s", bulk_id)
+            except redis.RedisError:
+                logging.getLogger(__name__).warning("stalled-bulk scan failed", exc_info=True)
+
+    threading.Thread(target=rescue_loop, name="bulk-rescue", daemon=True).start()
+    # SimpleWorker: the orchestrator is I/O bound and holds no GPU, and a single process
+    # means kill -9 takes the orchestrator with it (no orphaned work horse).
+    worker = SimpleWorker([bulk_queue(conn, queue)], connection=conn, name=name,
+                          serializer=bulk_queue(conn, queue).serializer)
+    try:
+        worker.work(burst=burst, logging_level="INFO")
+    finally:
+        stop.set()

@@ -1,0 +1,166 @@
+"""The bulk sink: finished bulk jobs -> part files in the bulk's output, acked once durable.
+
+The worker loop hands every final result of a job whose ``output.kind == "bulk"``
+to ``add()`` instead of publishing it to Redis, and XACKs exactly what
+``poll()`` (each iteration) and ``close()`` (on shutdown) return: the entries
+whose line is in a part file that has been durably written. A worker that dies
+before a flush loses nothing (its entries stay pending and are reclaimed); a
+re-run may put a job's line into a second part, and finalize keeps one.
+
+After a part is durable the sink counts its custom_ids once per bulk (SADD on
+the bulk's done set, then HINCRBY completed/failed, in one Lua script), which is
+what the orchestrator waits on.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from producer import bulk_keys
+from producer.bulk import BulkSpec, BulkStatus
+from producer.bulk_io import PartEntry, line_of_job_id, result_entry
+from producer.bulk_storage import Storage, StorageError, StorageSettings, open_storage
+
+log = logging.getLogger(__name__)
+
+# KEYS: bulk hash, done set. ARGV: custom_id, ok(1/0), custom_id, ok, ...
+_COUNT_LUA = """
+local completed, failed = 0, 0
+for i = 1, #ARGV, 2 do
+  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
+    if ARGV[i + 1] == '1' then completed = completed + 1 else failed = failed + 1 end
+  end
+end
+if completed > 0 then redis.call('HINCRBY', KEYS[1], 'completed', completed) end
+if failed > 0 then redis.call('HINCRBY', KEYS[1], 'failed', failed) end
+return {completed, failed}
+"""
+
+#: consecutive permanent write failures before the sink tells the orchestrator to fail the bulk
+PERMANENT_FAILURES_TO_REPORT = 3
+_MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class _Buffer:
+    uri: str | None
+    first_at: float
+    items: list[tuple[str, str, PartEntry]] = field(default_factory=list)
+    retry_at: float = 0.0
+    failures: int = 0
+    permanent_failures: int = 0
+
+
+def _text(v: Any) -> Any:
+    return v.decode("utf-8") if isinstance(v, bytes) else v
+
+
+class BulkSink:
+    """Buffers bulk results per bulk and flushes them as ``parts/<worker>-<seq>.jsonl``."""
+
+    def __init__(self, redis_client: redis.Redis, consumer_name: str, settings: Any = None) -> None:
+        self.redis = redis_client
+        self.consumer = re.sub(r"[^A-Za-z0-9._-]", "_", consumer_name) or "worker"
+        self.flush_lines = int(getattr(settings, "bulk_flush_lines", 256))
+        self.flush_interval_s = float(getattr(settings, "bulk_flush_interval_s", 5.0))
+        endpoint = getattr(settings, "s3_endpoint_url", None)
+        self.storage_settings = StorageSettings(**({"s3_endpoint_url": endpoint} if endpoint else {}))
+        self._count = redis_client.register_script(_COUNT_LUA)
+        self._buffers: dict[str, _Buffer] = {}
+        self._storages: dict[str, Storage] = {}
+        self._to_ack: list[tuple[str, str]] = []
+
+    def __len__(self) -> int:
+        return sum(len(b.items) for b in self._buffers.values())
+
+    def add(self, lane: str, entry_id: str, job: Any, result: Any) -> None:
+        """Buffer the final result of bulk job ``job`` (a ``JobRequest``) read from ``lane`` as ``entry_id``."""
+        target = job.output
+        status = getattr(result, "status", None)
+        status = getattr(status, "value", status)
+        error = getattr(result, "error", None)
+        if error is None and status not in (None, "completed"):
+            error = f"job ended as {status}"
+        line = (getattr(job, "metadata", None) or {}).get("bulk_line") or line_of_job_id(job.job_id)
+        entry = result_entry(
+            job_id=job.job_id,
+            line=line,
+            custom_id=target.custom_id or job.job_id,
+            chat=getattr(job, "messages", None) is not None,
+            model=getattr(job, "model", None),
+            text=getattr(result, "text", ""),
+            finish_reason=getattr(result, "finish_reason", None),
+            error=error,
+            prompt_tokens=getattr(result, "prompt_tokens", None),
+            completion_tokens=getattr(result, "completion_tokens", None),
+            created=int(getattr(result, "finished_at", None) or time.time()),
+        )
+        buf = self._buffers.get(target.bulk_id)
+        if buf is None:
+            buf = self._buffers[target.bulk_id] = _Buffer(uri=target.uri, first_at=time.monotonic())
+        buf.items.append((lane, entry_id, entry))
+
+    def poll(self) -> list[tuple[str, str]]:
+        """Flush buffers that are full or old enough; returns (lane, entry_id) pairs now safe to XACK."""
+        return self._flush_due(force=False)
+
+    def close(self) -> list[tuple[str, str]]:
+        """Flush everything that can be flushed now; returns what to XACK (the rest stays pending)."""
+        return self._flush_due(force=True)
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _flush_due(self, force: bool) -> list[tuple[str, str]]:
+        acks, self._to_ack = self._to_ack, []
+        now = time.monotonic()
+        for bulk_id, buf in list(self._buffers.items()):
+            due = force or len(buf.items) >= self.flush_lines or now - buf.first_at >= self.flush_interval_s
+            if due and (force or now >= buf.retry_at):
+                acks.extend(self._flush(bulk_id, buf))
+        return acks
+
+    def _storage(self, bulk_id: str, uri: str | None) -> Storage:
+        if uri is None:
+            raw = self.redis.hget(bulk_keys.bulk_hash(bulk_id), "spec")
+            if raw is None:
+                raise StorageError(f"bulk {bulk_id} has no output URI", permanent=True)
+            uri = BulkSpec.model_validate_json(_text(raw)).output
+        st = self._storages.get(uri)
+        if st is None:
+            st = self._storages[uri] = open_storage(uri, self.storage_settings)
+        return st
+
+    def _flush(self, bulk_id: str, buf: _Buffer) -> list[tuple[str, str]]:
+        key = bulk_keys.bulk_hash(bulk_id)
+        entries = [(lane, entry_id) for lane, entry_id, _ in buf.items]
+        status = self.redis.hget(key, "status")
+        if status is None or BulkStatus(_text(status)).is_final:
+            # The bulk is over (or gone): nobody will compact this line, so just let the job go.
+            del self._buffers[bulk_id]
+            return entries
+        seq = self.redis.incr(bulk_keys.bulk_part_seq(bulk_id))
+        name = f"parts/{self.consumer}-{seq:06d}.jsonl"
+        data = b"".join(entry.dumps() for _, _, entry in buf.items)
+        try:
+            self._storage(bulk_id, buf.uri).put_bytes(name, data)
+        except (StorageError, OSError) as exc:
+            permanent = getattr(exc, "permanent", False)
+            buf.failures += 1
+            buf.permanent_failures = buf.permanent_failures + 1 if permanent else 0
+            buf.retry_at = time.monotonic() + min(0.5 * 2 ** buf.failures, _MAX_BACKOFF_S)
+            log.warning("bulk %s: part write failed (%d in a row), will retry: %s", bulk_id, buf.failures, exc)
+            fields = {"sink_error": f"{self.consumer}: {exc}"}
+            if buf.permanent_failures >= PERMANENT_FAILURES_TO_REPORT:
+                fields["sink_error_permanent"] = "1"
+            self.redis.hset(key, mapping=fields)
+            return []
+        args: list[str] = []
+        for _, _, entry in buf.items:
+            args += [entry.custom_id or "", "1" if entry.ok else "0"]
+        self._count(keys=[key, bulk_keys.bulk_done_set(bulk_id)], args=args)
+        del self._buffers[bulk_id]
+        return entries
