@@ -94,6 +94,7 @@ class Worker:
         self._control_stop = threading.Event()
         self._control: threading.Thread | None = None
         self._next_reclaim = 0.0
+        self._next_snapshot = 0.0
         self.num_steps = 0
         self.num_completed = 0
         self.queue_time_s = 0.0  # loop time spent outside engine.step (what the queue costs)
@@ -181,7 +182,8 @@ class Worker:
             self.queue_time_s += (t1 - t0) + (time.perf_counter() - t2)
         else:
             self.queue_time_s += time.perf_counter() - t0
-        if self.num_steps % 16 == 0:
+        if time.monotonic() >= self._next_snapshot:
+            self._next_snapshot = time.monotonic() + 0.5
             self._snapshot_stats()
         return did_step or pulled > 0
 

@@ -1,0 +1,199 @@
+"""The ``pagestream`` command line.
+
+Only ``worker`` imports the engine (inside the command), so ``submit``, ``tail``,
+``stats`` and ``bulk`` work in a producer-only install without torch.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="pagestream: queue-fed LLM batch inference.")
+
+RedisUrl = typer.Option(None, "--redis-url", envvar="REDIS_URL", help="Redis URL (default: $REDIS_URL or redis://localhost:6379/0)")
+
+
+def _url(url: str | None) -> str:
+    return url or os.environ.get("REDIS_URL") or "redis://localhost:6379/0"
+
+
+def build_engine(settings) -> object:
+    """The engine a worker drives: ``--model fake[:step_ms]`` is the instant fake (tests, benchmarks)."""
+    model = settings.model
+    if not model:
+        raise typer.BadParameter("--model is required (an HF model directory, or 'fake')")
+    if model == "fake" or model.startswith("fake:"):
+        from worker.fake_engine import FakeConfig, FakeEngine
+
+        delay_ms = float(model.split(":", 1)[1]) if ":" in model else 0.0
+        return FakeEngine(FakeConfig(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len or 512, step_delay_s=delay_ms / 1000))
+    from engine import EngineConfig, LLMEngine
+
+    return LLMEngine(
+        EngineConfig(
+            model=model,
+            device=settings.device,
+            max_num_seqs=settings.max_num_seqs,
+            max_model_len=settings.max_model_len,
+            seed=settings.seed,
+        )
+    )
+
+
+@app.command()
+def worker(
+    redis_url: Optional[str] = RedisUrl,
+    model: Optional[str] = typer.Option(None, "--model", envvar="PAGESTREAM_MODEL", help="HF model directory (or 'fake')"),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda"),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
+    consumer: Optional[str] = typer.Option(None, "--consumer", help="consumer name (default host-pid)"),
+    lanes: Optional[str] = typer.Option(None, "--lanes", help="comma-separated subset of high,normal,low"),
+    lease_ms: Optional[int] = typer.Option(None, "--lease-ms"),
+    max_deliveries: Optional[int] = typer.Option(None, "--max-deliveries"),
+    drain_timeout: Optional[float] = typer.Option(None, "--drain-timeout", help="seconds a warm stop may take"),
+    prefetch: Optional[int] = typer.Option(None, "--prefetch"),
+    publish_interval_ms: Optional[float] = typer.Option(None, "--publish-interval-ms"),
+    burst: bool = typer.Option(False, "--burst", help="exit when the queue is empty"),
+    log_level: str = typer.Option("INFO", "--log-level"),
+) -> None:
+    """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
+    import redis
+
+    from worker.settings import WorkerSettings
+    from worker.worker import Worker
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {
+        "redis_url": redis_url, "model": model, "device": device, "max_num_seqs": max_num_seqs,
+        "max_model_len": max_model_len, "consumer": consumer, "lanes": lanes, "lease_ms": lease_ms,
+        "max_deliveries": max_deliveries, "drain_timeout_s": drain_timeout, "prefetch": prefetch,
+        "publish_interval_ms": publish_interval_ms,
+    }
+    settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
+    engine = build_engine(settings)
+    client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    w = Worker(client, engine, settings)
+    logging.getLogger("pagestream").info("worker %s ready on %s (lanes %s)", settings.consumer, settings.redis_url, settings.lanes)
+    print(f"worker {settings.consumer} ready", flush=True)
+    w.run(burst=burst)
+    print(f"worker {settings.consumer} stopped after {w.num_steps} steps, {w.num_completed} jobs", flush=True)
+
+
+@app.command()
+def submit(
+    prompt: str = typer.Argument(..., help="the prompt (use --chat to send it as a user message)"),
+    redis_url: Optional[str] = RedisUrl,
+    max_tokens: int = typer.Option(64, "--max-tokens"),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    lane: str = typer.Option("normal", "--lane"),
+    job_id: Optional[str] = typer.Option(None, "--job-id"),
+    chat: bool = typer.Option(False, "--chat", help="apply the model's chat template"),
+    system: Optional[str] = typer.Option(None, "--system", help="system message (implies --chat)"),
+    stream: bool = typer.Option(False, "--stream", help="print tokens live"),
+    as_json: bool = typer.Option(False, "--json", help="print the final JobResult as JSON"),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="seconds to wait for the result"),
+    no_wait: bool = typer.Option(False, "--no-wait", help="print the job id and return"),
+) -> None:
+    """Submit one job; print its text (or the result as JSON)."""
+    from pydantic import ValidationError
+
+    from producer import Producer
+    from producer.schema import format_validation_error
+
+    fields: dict = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, lane=lane, job_id=job_id)
+    if chat or system:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        fields["messages"] = msgs
+    else:
+        fields["prompt"] = prompt
+    with Producer.from_url(_url(redis_url)) as p:
+        try:
+            jid = p.submit(**fields)
+        except ValidationError as exc:
+            typer.echo(f"error: {format_validation_error(exc)}", err=True)
+            raise typer.Exit(2)
+        if no_wait:
+            typer.echo(jid)
+            return
+        if stream:
+            for ev in p.stream(jid, timeout=timeout):
+                if not as_json:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+        res = p.result(jid, timeout=timeout)
+        if as_json:
+            typer.echo(res.model_dump_json())
+        elif not stream:
+            typer.echo(res.text)
+        else:
+            typer.echo("")
+        if res.status.value != "completed":
+            typer.echo(f"job {jid} {res.status.value}: {res.error}", err=True)
+            raise typer.Exit(1)
+
+
+@app.command()
+def tail(
+    job_id: str = typer.Argument(...),
+    redis_url: Optional[str] = RedisUrl,
+    from_index: int = typer.Option(0, "--from-index"),
+    as_json: bool = typer.Option(False, "--json", help="one TokenEvent JSON per line"),
+    timeout: Optional[float] = typer.Option(None, "--timeout"),
+) -> None:
+    """Follow a job's token stream until it ends."""
+    from producer import Producer
+    from producer.client import JobNotFound
+
+    with Producer.from_url(_url(redis_url)) as p:
+        try:
+            for ev in p.stream(job_id, from_index=from_index, timeout=timeout):
+                if as_json:
+                    typer.echo(ev.model_dump_json())
+                else:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+        except JobNotFound:
+            typer.echo(f"error: no job {job_id}", err=True)
+            raise typer.Exit(1)
+        if not as_json:
+            typer.echo("")
+        st = p.status(job_id)
+        typer.echo(f"[{job_id}: {st.value if st else 'unknown'}]", err=True)
+
+
+@app.command()
+def stats(
+    redis_url: Optional[str] = RedisUrl,
+    as_json: bool = typer.Option(False, "--json"),
+    window_s: int = typer.Option(10, "--window", help="seconds over which jobs/s is averaged"),
+) -> None:
+    """Per lane: length, pending, consumers and their idle time, DLQ size, jobs/s."""
+    import redis
+
+    from worker.stats import collect_stats, format_stats
+
+    client = redis.Redis.from_url(_url(redis_url))
+    data = collect_stats(client, window_s=window_s)
+    typer.echo(json.dumps(data, indent=2) if as_json else format_stats(data))
+
+
+try:  # the bulk commands live with the bulk sink (issue 5)
+    from worker.bulk_cli import bulk_app, bulk_worker
+
+    app.add_typer(bulk_app, name="bulk")
+    app.command("bulk-worker")(bulk_worker)
+except ImportError:
+    pass
+
+
+if __name__ == "__main__":
+    app()

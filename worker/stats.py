@@ -1,0 +1,55 @@
+"""What ``pagestream stats`` shows: per lane length, pending, consumers and idle time, DLQ, jobs/s."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from producer import keys
+
+
+def _s(v: Any) -> Any:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+
+
+def collect_stats(client: redis.Redis, group: str = keys.DEFAULT_GROUP, window_s: int = 10) -> dict[str, Any]:
+    now = int(time.time())
+    lanes: dict[str, Any] = {}
+    for lane in keys.LANES:
+        stream = keys.jobs_stream(lane)
+        info: dict[str, Any] = {"length": client.xlen(stream), "pending": 0, "lag": None, "consumers": []}
+        try:
+            for g in client.xinfo_groups(stream):
+                if _s(g["name"]) == group:
+                    info["pending"] = int(g["pending"])
+                    info["lag"] = g.get("lag")
+            for c in client.xinfo_consumers(stream, group):
+                info["consumers"].append({"name": _s(c["name"]), "pending": int(c["pending"]), "idle_ms": int(c["idle"])})
+        except redis.ResponseError:
+            pass  # no stream or group yet
+        # full seconds only: the current one is still filling
+        counts = client.mget([keys.done_counter(lane, now - 1 - i) for i in range(window_s)])
+        info["jobs_per_s"] = round(sum(int(c) for c in counts if c) / window_s, 2)
+        lanes[lane] = info
+    workers = {}
+    for key in client.scan_iter(match=keys.worker_hash("*"), count=1000):
+        name = _s(key)[len(keys.worker_hash("")):]
+        workers[name] = {_s(k): _s(v) for k, v in client.hgetall(key).items()}
+    return {"lanes": lanes, "dead_letters": client.xlen(keys.dead_letter_stream()), "workers": workers}
+
+
+def format_stats(data: dict[str, Any]) -> str:
+    lines = [f"{'lane':<8}{'length':>8}{'pending':>9}{'lag':>7}{'jobs/s':>9}  consumers (pending, idle)"]
+    for lane, i in data["lanes"].items():
+        cons = ", ".join(f"{c['name']} ({c['pending']}, {c['idle_ms'] / 1000:.1f}s)" for c in i["consumers"]) or "-"
+        lag = "-" if i["lag"] is None else str(i["lag"])
+        lines.append(f"{lane:<8}{i['length']:>8}{i['pending']:>9}{lag:>7}{i['jobs_per_s']:>9}  {cons}")
+    lines.append(f"dead letters: {data['dead_letters']}")
+    for name, w in data["workers"].items():
+        lines.append(
+            f"worker {name}: running {w.get('num_running')}, waiting {w.get('num_waiting')}, "
+            f"kv {float(w.get('kv_usage', 0)) * 100:.0f}% ({w.get('num_free_blocks')}/{w.get('num_total_blocks')} blocks free), "
+            f"steps {w.get('num_steps')}, completed {w.get('num_completed')}"
+        )
+    return "\n".join(lines)
