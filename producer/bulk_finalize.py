@@ -114,19 +114,20 @@ def compact(
         errors = _ShardWriter(storage, "errors", shard_lines, tmpdir, on_progress)
         n_ok = n_err = 0
         for rng in sorted(spills):
-            best: dict[int, tuple[int, PartEntry]] = {}
+            best: dict[tuple[int, str], tuple[tuple[int, int], PartEntry]] = {}
             path = os.path.join(tmpdir, f"spill-{rng}")
             with open(path, "rb") as f:
                 for raw in f:
                     order_s, payload = raw.split(b" ", 1)
                     entry = PartEntry.loads(payload)
                     rank = (0 if entry.ok else 1, int(order_s))
-                    cur = best.get(entry.line)
+                    key = (entry.line, entry.custom_id or "")
+                    cur = best.get(key)
                     if cur is None or rank < cur[0]:
-                        best[entry.line] = (rank, entry)
+                        best[key] = (rank, entry)
             os.unlink(path)
-            for line in sorted(best):
-                entry = best[line][1]
+            for key in sorted(best):
+                entry = best[key][1]
                 if entry.ok:
                     outputs.write(entry.record)
                     n_ok += 1

@@ -86,7 +86,12 @@ class BulkSink:
         error = getattr(result, "error", None)
         if error is None and status not in (None, "completed"):
             error = f"job ended as {status}"
-        line = (getattr(job, "metadata", None) or {}).get("bulk_line") or line_of_job_id(job.job_id)
+        line = (getattr(job, "metadata", None) or {}).get("bulk_line")
+        if line is None:
+            try:
+                line = line_of_job_id(job.job_id)
+            except (IndexError, ValueError):
+                line = 0  # a salvaged stub without its line: compaction keys on (line, custom_id)
         entry = result_entry(
             job_id=job.job_id,
             line=line,
