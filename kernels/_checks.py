@@ -51,3 +51,16 @@ def check_head_dim(head_dim: int) -> None:
 def check_block_size(block_size: int) -> None:
     if not is_pow2(block_size) or not 1 <= block_size <= 1024:
         raise ValueError(f"block_size must be a power of two in [1, 1024], got {block_size}")
+
+
+def check_out(out: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype | None = None,
+              name: str = "out") -> torch.Tensor:
+    """`out` if it fits `like` (shape, device; dtype or `like`'s), else a fresh tensor when `out` is None."""
+    dtype = dtype or like.dtype
+    if out is None:
+        return torch.empty(like.shape, dtype=dtype, device=like.device)
+    if out.shape != like.shape or out.dtype != dtype or out.device != like.device:
+        raise ValueError(f"{name} must be {tuple(like.shape)} {dtype} on {like.device}, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    check_last_dim_contiguous(name, out)
+    return out

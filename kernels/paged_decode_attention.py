@@ -19,6 +19,7 @@ from kernels._checks import (
     check_block_size,
     check_head_dim,
     check_last_dim_contiguous,
+    check_out,
     check_same_device,
     check_tensor,
     is_pow2,
@@ -140,6 +141,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, tokens in cache incl. the current one
     scale: float,
     *,
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim], written in full
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -179,7 +181,7 @@ def paged_decode_attention(
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = check_out(out, q)
     if num_seqs == 0:
         return out
     if num_splits > 1:

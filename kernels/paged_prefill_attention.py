@@ -23,6 +23,7 @@ from kernels._checks import (
     check_block_size,
     check_head_dim,
     check_last_dim_contiguous,
+    check_out,
     check_same_device,
     check_tensor,
     is_pow2,
@@ -157,6 +158,7 @@ def paged_prefill_attention(
     scale: float,
     max_seqlen_q: int | None = None,  # accepted for the reference's signature; the grid needs no max
     *,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written in full
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -200,7 +202,7 @@ def paged_prefill_attention(
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     block_q = block_m // group_pad
 
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = check_out(out, q)
     if num_tokens == 0 or num_seqs == 0:
         return out
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)

@@ -81,10 +81,14 @@ def paged_decode_attention(
     blocks = block_tables[:, :nb].to(torch.long).clamp(0, num_blocks_total - 1)
     k = k_cache[blocks].reshape(num_seqs, nb * block_size, num_kv_heads, head_dim)
     v = v_cache[blocks].reshape(num_seqs, nb * block_size, num_kv_heads, head_dim)
-    k = _expand_kv_heads(k.transpose(1, 2).float(), num_heads)  # [S, H, T, d]
-    v = _expand_kv_heads(v.transpose(1, 2).float(), num_heads)
     pos = torch.arange(nb * block_size, device=q.device)
     mask = pos[None, :] < context_lens.to(q.device, torch.long)[:, None]  # [S, T]
+    # Slots past a context may hold anything (NaN from torch.empty): a masked score
+    # still multiplies V, and NaN * 0 is NaN, so zero them.
+    k = torch.where(mask[:, :, None, None], k, 0)
+    v = torch.where(mask[:, :, None, None], v, 0)
+    k = _expand_kv_heads(k.transpose(1, 2).float(), num_heads)  # [S, H, T, d]
+    v = _expand_kv_heads(v.transpose(1, 2).float(), num_heads)
     out = F.scaled_dot_product_attention(
         q.float().unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale
     )  # [S, H, 1, d]

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_last_dim_contiguous, check_same_device, check_tensor, next_pow2
+from kernels._checks import check_last_dim_contiguous, check_out, check_same_device, check_tensor, next_pow2
 
 
 @triton.jit
@@ -38,6 +38,9 @@ def rms_norm(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+    *,
+    out: torch.Tensor | None = None,  # [num_tokens, hidden]
+    residual_out: torch.Tensor | None = None,  # [num_tokens, hidden]; may be `residual` itself
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     check_tensor("x", x, 2)
     check_tensor("weight", weight, 1)
@@ -59,8 +62,8 @@ def rms_norm(
     block = next_pow2(hidden)
     if block > 65536:
         raise ValueError(f"hidden size {hidden} too large (max 65536)")
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    residual_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    out = check_out(out, x, torch.promote_types(weight.dtype, x.dtype))
+    residual_out = check_out(residual_out, x, name="residual_out") if residual is not None else None
     if x.shape[0] > 0:
         _rms_norm_kernel[(x.shape[0],)](
             x, residual if residual is not None else x, weight, out,

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import INDEX_DTYPES, check_head_dim, check_last_dim_contiguous, check_same_device, check_tensor, next_pow2
+from kernels._checks import INDEX_DTYPES, check_head_dim, check_last_dim_contiguous, check_out, check_same_device, check_tensor, next_pow2
 
 
 @triton.jit
@@ -56,6 +56,9 @@ def rotary_embedding(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim] fp32: cos | sin
+    *,
+    q_out: torch.Tensor | None = None,  # like q; may be q itself (in place)
+    k_out: torch.Tensor | None = None,  # like k; may be k itself (in place)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_tensor("positions", positions, 1, INDEX_DTYPES)
     check_tensor("q", q, 3)
@@ -72,8 +75,8 @@ def rotary_embedding(
     check_head_dim(head_dim)
     if cos_sin_cache.shape[1] != head_dim:
         raise ValueError(f"rotary_dim {cos_sin_cache.shape[1]} != head_dim {head_dim}: partial rotary is not supported")
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out = check_out(q_out, q, name="q_out")
+    k_out = check_out(k_out, k, name="k_out")
     if num_tokens > 0:
         num_kv_heads = k.shape[1]
         _rotary_kernel[(num_tokens,)](
