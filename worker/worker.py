@@ -373,6 +373,8 @@ class Worker:
                 a.prompt_tokens = len(out.prompt_token_ids)
             for c in out.outputs:
                 s = a.samples.setdefault(c.index, _Sample())
+                if s.finish_reason is not None and not c.token_ids and not c.text:
+                    continue  # a sample that finished earlier, reported again with its request
                 s.token_ids.extend(c.token_ids)
                 if c.text:
                     s.text.append(c.text)

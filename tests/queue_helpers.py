@@ -1,0 +1,94 @@
+"""Helpers for the queue tests: worker processes, waiting on Redis state, raw out-stream reads."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+from producer import keys
+from producer.wire import decode_out_entry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class WorkerProc:
+    """``python -m worker.cli worker`` as a separate process, its output in a log file."""
+
+    def __init__(self, redis_url: str, model: str, consumer: str, log_dir: Path, *args: str, env: dict | None = None) -> None:
+        self.consumer = consumer
+        self.log_path = log_dir / f"{consumer}.log"
+        self._log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", redis_url, "--model", model,
+               "--consumer", consumer, "--device", "cpu", *args]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        wait_for(lambda: "ready" in self.log() or self.proc.poll() is not None, timeout, f"worker {self.consumer} ready")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"worker {self.consumer} exited:\n{self.log()}")
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill9(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+def wait_for(cond: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def raw_events(r: redis.Redis, job_id: str) -> list:
+    """Every event in a job's out stream, in order, without deduplication."""
+    return [decode_out_entry(job_id, f) for _, f in r.xrange(keys.out_stream(job_id))]
+
+
+def assert_contiguous(r: redis.Redis, job_id: str) -> str:
+    """The raw stream holds each token index exactly once, in order, then one end entry. Returns the text."""
+    evs = raw_events(r, job_id)
+    assert evs and isinstance(evs[-1], str), f"{job_id}: stream does not end with an end entry: {evs[-3:]}"
+    next_index: dict[int, int] = {}
+    text: dict[int, str] = {}
+    for ev in evs[:-1]:
+        assert not isinstance(ev, str), f"{job_id}: more than one end entry"
+        assert ev.index == next_index.get(ev.sample, 0), f"{job_id}: event at index {ev.index}, expected {next_index.get(ev.sample, 0)}"
+        next_index[ev.sample] = ev.end_index
+        text[ev.sample] = text.get(ev.sample, "") + ev.text
+    return text.get(0, "")
+
+
+def pending_of(r: redis.Redis, lane: str = "normal", group: str = keys.DEFAULT_GROUP) -> dict[str, int]:
+    try:
+        return {c["name"].decode(): int(c["pending"]) for c in r.xinfo_consumers(keys.jobs_stream(lane), group)}
+    except redis.ResponseError:
+        return {}

@@ -1,0 +1,128 @@
+"""Producer side against a real Redis: validation at submit, idempotency, cancel, result/stream plumbing."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import redis
+
+from producer import AsyncProducer, JobNotFound, JobRequest, JobStatus, Producer
+from producer import keys
+from producer.wire import token_event_fields, end_fields
+
+
+@pytest.fixture
+def r(redis_url):
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def producer(redis_url):
+    with Producer.from_url(redis_url) as p:
+        yield p
+
+
+def test_schema_roundtrip_and_flat_sampling():
+    j = JobRequest(prompt="hi", max_tokens=8, seed=3, temperature=0.5, output={"kind": "bulk", "bulk_id": "b1", "custom_id": "c-1"})
+    assert j.sampling.max_tokens == 8 and j.sampling.seed == 3
+    assert JobRequest.model_validate_json(j.model_dump_json()) == j
+    assert j.schema_version == 1
+
+
+@pytest.mark.parametrize(
+    "fields, msg",
+    [
+        ({"prompt": "x", "lane": "urgent"}, "lane"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"prompt": "bad \udcff bytes"}, "UTF-8"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "UTF-8"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ({}, "exactly one of"),
+        ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "exactly one of"),
+        ({"prompt": ""}, "empty"),
+        ({"prompt": "x", "job_id": "has{brace}"}, "job_id"),
+        ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+        ({"prompt": "x", "output": {"kind": "bulk"}}, "bulk_id"),
+        ({"prompt": "x", "schema_version": 99}, "schema_version"),
+    ],
+)
+def test_submit_rejects_bad_input_with_a_clear_error(producer, r, fields, msg):
+    with pytest.raises(ValueError) as exc:
+        producer.submit(**fields)
+    assert msg in str(exc.value)
+    assert all(r.xlen(keys.jobs_stream(lane)) == 0 for lane in keys.LANES)
+
+
+def test_submit_is_idempotent_by_job_id(producer, r):
+    assert producer.submit(prompt="first", job_id="job-1") == "job-1"
+    assert producer.submit(prompt="second", job_id="job-1") == "job-1"
+    ids = producer.submit_many([{"prompt": "a", "job_id": "job-1"}, {"prompt": "b", "job_id": "job-2"}, JobRequest(prompt="c", lane="high")])
+    assert ids[:2] == ["job-1", "job-2"]
+    assert r.xlen(keys.jobs_stream("normal")) == 2
+    assert r.xlen(keys.jobs_stream("high")) == 1
+    entry = r.xrange(keys.jobs_stream("normal"), count=1)[0][1]
+    assert json.loads(entry[b"job"])["prompt"] == "first"
+    assert producer.status("job-1") == JobStatus.QUEUED
+
+
+def test_cancel_queued_job_gives_cancelled_result(producer):
+    jid = producer.submit(prompt="x")
+    assert producer.cancel(jid) == JobStatus.QUEUED
+    res = producer.result(jid, timeout=1)
+    assert res.status == JobStatus.CANCELLED
+    assert producer.cancel(jid) == JobStatus.CANCELLED  # already final: nothing changes
+    assert list(producer.stream(jid, timeout=2)) == []
+    assert producer.cancel("nope") is None
+
+
+def test_result_timeout_and_unknown_job(producer):
+    jid = producer.submit(prompt="x")
+    with pytest.raises(TimeoutError):
+        producer.result(jid, timeout=0.2)
+    with pytest.raises(JobNotFound):
+        producer.result("never-submitted", timeout=0.2)
+
+
+def test_stream_drops_repeated_indices_and_resumes_from_index(producer, r):
+    # What a subscriber sees when a presumed-dead worker and its successor both published.
+    jid = producer.submit(prompt="x")
+    out = keys.out_stream(jid)
+    for fields in [
+        token_event_fields(0, 0, [1, 2], "ab", None),
+        token_event_fields(0, 2, [3], "c", None),
+        token_event_fields(0, 0, [1, 2, 3], "abc", None),  # replay
+        token_event_fields(0, 3, [4], "d", None),
+        token_event_fields(0, 4, [], "!", "stop"),
+        token_event_fields(0, 4, [], "!", "stop"),  # replay of the text-only final delta
+        end_fields("completed"),
+    ]:
+        r.xadd(out, fields)
+    evs = list(producer.stream(jid))
+    assert "".join(e.text for e in evs) == "abcd!"
+    assert [t for e in evs for t in e.token_ids] == [1, 2, 3, 4]
+    later = list(producer.stream(jid, from_index=3))
+    assert [e.index for e in later] == [3, 4]
+
+
+def test_async_producer(redis_url):
+    async def main():
+        p = AsyncProducer.from_url(redis_url)
+        jid = await p.submit(prompt="x", job_id="a-1", max_tokens=2)
+        assert await p.submit(prompt="y", job_id="a-1") == "a-1"
+        assert await p.submit_many([{"prompt": "z"}, {"prompt": "w"}])
+        assert await p.status(jid) == JobStatus.QUEUED
+        with pytest.raises(ValueError):
+            await p.submit(prompt="x", lane="nope")
+        assert await p.cancel(jid) == JobStatus.QUEUED
+        res = await p.result(jid, timeout=1)
+        assert res.status == JobStatus.CANCELLED
+        assert [e async for e in p.stream(jid, timeout=2)] == []
+        await p.aclose()
+
+    asyncio.run(main())
