@@ -15,6 +15,7 @@ Its bookkeeping lives in the status hash ``ps:bulk:{<id>}`` (see ``producer/bulk
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from enum import Enum
@@ -31,7 +32,7 @@ BULK_QUEUE = "pagestream-bulk"
 #: the importable function an RQ worker runs; enqueue it with the bulk id as its only argument
 RUN_BULK_FUNC = "producer.bulk_orchestrator.run_bulk"
 #: orchestrator lease: a dead orchestrator's bulk is picked up again this long after its last heartbeat
-LEASE_S = 15.0
+LEASE_S = float(os.environ.get("PAGESTREAM_BULK_LEASE_S", "15"))
 
 
 class BulkStatus(str, Enum):
