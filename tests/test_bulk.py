@@ -200,6 +200,11 @@ def test_bulk_s3_end_to_end_one_line_per_custom_id(redis_url, s3, bucket, tmp_pa
     r = redis.Redis.from_url(redis_url)
     assert not r.exists(bulk_keys.bulk_done_set(bulk_id), bulk_keys.bulk_seen_hash(bulk_id))
     assert r.ttl(bulk_keys.bulk_hash(bulk_id)) > 0
+    # each job's own hash is final and expires like any result
+    from producer import keys as ps_keys
+
+    assert r.hget(ps_keys.job_hash(f"{bulk_id}-L1"), "status") == b"completed"
+    assert r.ttl(ps_keys.job_hash(f"{bulk_id}-L1")) > 0
 
 
 def test_bulk_local_dir_duplicates_and_engine_errors(redis_url, tmp_path):

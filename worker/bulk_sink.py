@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from producer import bulk_keys
+from producer import bulk_keys, keys
 from producer.bulk import BulkSpec, BulkStatus
 from producer.bulk_io import PartEntry, line_of_job_id, result_entry
 from producer.bulk_storage import Storage, StorageError, StorageSettings, open_storage
@@ -51,6 +51,7 @@ class _Buffer:
     uri: str | None
     first_at: float
     items: list[tuple[str, str, PartEntry]] = field(default_factory=list)
+    jobs: list[tuple[str, int]] = field(default_factory=list)  # (job_id, result_ttl_s) per item
     retry_at: float = 0.0
     failures: int = 0
     permanent_failures: int = 0
@@ -109,6 +110,7 @@ class BulkSink:
         if buf is None:
             buf = self._buffers[target.bulk_id] = _Buffer(uri=target.uri, first_at=time.monotonic())
         buf.items.append((lane, entry_id, entry))
+        buf.jobs.append((job.job_id, int(getattr(job, "result_ttl_s", 0) or 3600)))
 
     def poll(self) -> list[tuple[str, str]]:
         """Flush buffers that are full or old enough; returns (lane, entry_id) pairs now safe to XACK."""
@@ -167,5 +169,12 @@ class BulkSink:
         for _, _, entry in buf.items:
             args += [entry.custom_id or "", "1" if entry.ok else "0"]
         self._count(keys=[key, bulk_keys.bulk_done_set(bulk_id)], args=args)
+        # The submit left a job hash per bulk job; mark it final and let it expire like any result.
+        pipe = self.redis.pipeline(transaction=False)
+        for (job_id, ttl), (_, _, entry) in zip(buf.jobs, buf.items):
+            jh = keys.job_hash(job_id)
+            pipe.hset(jh, mapping={"status": "completed" if entry.ok else "failed", "bulk_id": bulk_id})
+            pipe.expire(jh, ttl)
+        pipe.execute()
         del self._buffers[bulk_id]
         return entries
