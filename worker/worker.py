@@ -116,15 +116,19 @@ class Worker:
         steps without draining (a test hook: in-flight jobs stay in the engine).
         """
         self._install_signals()
+        first_run = self._control is None
         self._start_threads()
         steps_at_start = self.num_steps
         backoff = 0.1
+        paused = False
         try:
-            self._recover()
+            if first_run:
+                self._recover()
             while True:
                 if self._stop_requested:
                     break
                 if max_steps is not None and self.num_steps - steps_at_start >= max_steps:
+                    paused = True  # a test hook: in-flight jobs stay; call run() again or close()
                     return self.num_steps - steps_at_start
                 try:
                     did_work = self._iteration(block=not burst)
@@ -153,14 +157,15 @@ class Worker:
                         self._sleep(0.01)
             self._drain()
         finally:
-            if max_steps is None or self._stop_requested or burst:
+            if not paused:
                 self._teardown()
             self._restore_signals()
         return self.num_steps - steps_at_start
 
     def close(self) -> None:
         """Release everything (for callers that used ``run(max_steps=...)``)."""
-        self._teardown()
+        if not self._control_stop.is_set():
+            self._teardown()
 
     # -- one iteration ----------------------------------------------------------------------
 
@@ -233,8 +238,10 @@ class Worker:
             if d.deliveries > self.settings.max_deliveries:
                 ops.extend(self._reject(d, f"failed {d.deliveries - 1} deliveries (max_deliveries={self.settings.max_deliveries})", job))
                 continue
-            if job.job_id in self._active or any(a.job_id == job.job_id for a in self._buffer):
-                ops.append(Ack(d.lane, [d.entry_id]))  # a second entry for a job this worker already runs
+            mine = self._active.get(job.job_id) or next((a for a in self._buffer if a.job_id == job.job_id), None)
+            if mine is not None:
+                if (mine.delivery.lane, mine.delivery.entry_id) != (d.lane, d.entry_id):
+                    ops.append(Ack(d.lane, [d.entry_id]))  # a second entry for a job this worker already runs
                 continue
             ready.append(ActiveJob(d, job))
         if ready:

@@ -1,0 +1,190 @@
+"""The worker loop in-process against a real Redis (rq's ``work(burst=True)`` style).
+
+Queue behaviour is driven by the instant fake engine (same interface as
+LLMEngine); cancellation and KV-block freeing use the real engine on the tiny
+Llama fixture.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+import redis
+
+from producer import JobStatus, Producer
+from producer import keys
+from tests.queue_helpers import assert_contiguous, wait_for
+from worker.fake_engine import FakeConfig, FakeEngine
+from worker.settings import WorkerSettings
+from worker.worker import Worker
+
+
+@pytest.fixture
+def r(redis_url):
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def producer(redis_url):
+    with Producer.from_url(redis_url) as p:
+        yield p
+
+
+def make_worker(r, redis_url, engine=None, **kw) -> Worker:
+    kw.setdefault("consumer", "w1")
+    kw.setdefault("publish_interval_ms", 2)
+    settings = WorkerSettings(redis_url=redis_url, **kw)
+    engine = engine or FakeEngine(FakeConfig(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len or 512))
+    return Worker(r, engine, settings)
+
+
+def test_burst_completes_jobs_streams_equal_results_high_lane_first(r, redis_url, producer):
+    w = make_worker(r, redis_url, max_num_seqs=4, prefetch=0)
+    low = [producer.submit(prompt=f"low {i}", max_tokens=5, seed=i, lane="low") for i in range(6)]
+    high = [producer.submit(prompt=f"high {i}", max_tokens=5, seed=i, lane="high") for i in range(4)]
+    normal = [producer.submit(prompt=f"normal {i}", max_tokens=7, seed=i) for i in range(10)]
+    w.run(burst=True)
+    fake = w.engine
+    results = {j: producer.result(j, timeout=2) for j in low + high + normal}
+    for j, res in results.items():
+        assert res.status == JobStatus.COMPLETED, res
+        assert res.deliveries == 1 and res.resumed_from == 0
+        streamed = "".join(e.text for e in producer.stream(j, timeout=2))
+        assert streamed == res.text == assert_contiguous(r, j)
+    assert results[normal[3]].text == fake.expected_text("normal 3", seed=3, max_tokens=7)
+    # the first batch the engine took was the high lane
+    first_starts = sorted(results.values(), key=lambda x: x.started_at)[:4]
+    assert {x.job_id for x in first_starts} == set(high)
+    for lane in keys.LANES:
+        assert r.xpending(keys.jobs_stream(lane), "workers")["pending"] == 0
+
+
+def _malformed_entries(rng: random.Random, n: int) -> list[dict]:
+    good = {"job_id": "x", "prompt": "hello", "max_tokens": 2}
+    makers = [
+        lambda i: {b"job": rng.randbytes(rng.randint(0, 40))},  # random bytes (mostly not UTF-8)
+        lambda i: {b"job": b"\xff\xfe" + json.dumps(good).encode()},  # non-UTF-8 prefix
+        lambda i: {b"job": json.dumps(good)[: rng.randint(1, 30)].encode()},  # truncated JSON
+        lambda i: {b"other": b"field"},  # no job field
+        lambda i: {b"job": json.dumps({**good, "job_id": f"m-{i}", "temperature": -rng.random() - 0.1}).encode()},
+        lambda i: {b"job": json.dumps({**good, "job_id": f"m-{i}", "max_tokens": "many"}).encode()},
+        lambda i: {b"job": json.dumps({"job_id": f"m-{i}"}).encode()},  # no prompt
+        lambda i: {b"job": json.dumps({**good, "job_id": f"m-{i}", "lane": "high"}).encode()},  # wrong lane for the stream
+        lambda i: {b"job": json.dumps({**good, "job_id": f"m-{i}", "lane": "warp"}).encode()},  # unknown lane
+        lambda i: {b"job": json.dumps([1, 2, 3]).encode()},
+        lambda i: {b"job": json.dumps({**good, "job_id": f"m-{i}", "messages": [{"role": "user"}], "prompt": None}).encode()},
+        lambda i: {b"job": json.dumps({**good, "job_id": "{evil}"}).encode()},
+        lambda i: {b"job": json.dumps({**good, "job_id": f"m-{i}", "schema_version": 7}).encode()},
+    ]
+    return [makers[i % len(makers)](i) for i in range(n)]
+
+
+def test_fuzz_malformed_entries_end_in_dlq_and_worker_keeps_serving(r, redis_url, producer):
+    rng = random.Random(0)
+    bad = _malformed_entries(rng, 520)
+    valid = []
+    for i, fields in enumerate(bad):
+        r.xadd(keys.jobs_stream("normal"), fields)
+        if i % 40 == 0:
+            valid.append(producer.submit(prompt=f"valid {i}", max_tokens=3, seed=i))
+    w = make_worker(r, redis_url, max_num_seqs=8)
+    w.run(burst=True)
+    for j in valid:
+        assert producer.result(j, timeout=2).status == JobStatus.COMPLETED
+    assert r.xlen(keys.dead_letter_stream()) == len(bad)
+    assert r.xpending(keys.jobs_stream("normal"), "workers")["pending"] == 0
+    # each dead letter says why, and keeps the raw payload
+    for _, fields in r.xrange(keys.dead_letter_stream(), count=50):
+        meta = json.loads(fields[b"meta"])
+        assert meta["reason"] and meta["lane"] == "normal"
+        assert any(k.startswith(b"payload:") for k in fields)
+    # a malformed job that names itself gets a failed result the producer can read
+    res = producer.result("m-4", timeout=1)
+    assert res.status == JobStatus.FAILED and "temperature" in res.error
+    res = producer.result("m-8", timeout=1)
+    assert res.status == JobStatus.FAILED and "lane" in res.error
+
+
+def test_poison_job_is_dead_lettered_after_max_deliveries(r, redis_url, producer):
+    jid = producer.submit(prompt="poison", max_tokens=2)
+    stream = keys.jobs_stream("normal")
+    r.xgroup_create(stream, "workers", id="0")
+    # three earlier deliveries to consumers that died holding it (XCLAIM bumps the counter)
+    (entry_id, _), = r.xreadgroup("workers", "dead-1", {stream: ">"})[0][1]
+    r.xclaim(stream, "workers", "dead-2", 0, [entry_id])
+    r.xclaim(stream, "workers", "dead-3", 0, [entry_id], idle=10_000)
+    w = make_worker(r, redis_url, max_deliveries=3, lease_ms=1000)
+    w.run(burst=True)
+    res = producer.result(jid, timeout=1)
+    assert res.status == JobStatus.FAILED and "max_deliveries=3" in res.error
+    (_, fields), = r.xrange(keys.dead_letter_stream())
+    assert json.loads(fields[b"meta"])["deliveries"] == 4
+    assert r.xpending(stream, "workers")["pending"] == 0
+
+
+def test_engine_rejection_is_a_failed_result(r, redis_url, producer):
+    w = make_worker(r, redis_url, max_model_len=32)
+    long_job = producer.submit(prompt="word " * 40, max_tokens=4)
+    ok = producer.submit(prompt="short", max_tokens=4)
+    w.run(burst=True)
+    res = producer.result(long_job, timeout=1)
+    assert res.status == JobStatus.FAILED and "max_model_len" in res.error
+    assert producer.result(ok, timeout=1).status == JobStatus.COMPLETED
+    assert r.xlen(keys.dead_letter_stream()) == 1
+
+
+def test_expired_job_is_never_started(r, redis_url, producer):
+    w = make_worker(r, redis_url)
+    jid = producer.submit(prompt="late", max_tokens=4, ttl_s=0.05)
+    time.sleep(0.1)
+    w.run(burst=True)
+    res = producer.result(jid, timeout=1)
+    assert res.status == JobStatus.EXPIRED and res.started_at is None and res.token_ids == []
+    assert w.engine.stats().num_generated_tokens == 0
+
+
+def test_pel_never_exceeds_admission_plus_prefetch(r, redis_url, producer):
+    producer.submit_many([{"prompt": f"p {i}", "max_tokens": 3} for i in range(400)])
+    w = make_worker(r, redis_url, max_num_seqs=8, prefetch=2)
+    peak = steps = 0
+    try:
+        while w.run(burst=True, max_steps=1):  # 0 steps: the queue is empty and the worker tore down
+            steps += 1
+            pend = r.xpending(keys.jobs_stream("normal"), "workers")["pending"]
+            peak = max(peak, pend)
+            assert pend <= 8 + 2
+    finally:
+        w.close()
+    assert peak == 10 and steps >= 400 * 3 / 8
+    assert r.xpending(keys.jobs_stream("normal"), "workers")["pending"] == 0
+    assert r.xinfo_groups(keys.jobs_stream("normal"))[0]["lag"] == 0
+
+
+def test_cancel_running_job_stops_within_one_step_and_frees_blocks(r, redis_url, producer, tiny_llama_dir):
+    from engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=tiny_llama_dir, device="cpu", max_num_seqs=4, seed=0))
+    total = engine.stats().num_total_blocks
+    w = make_worker(r, redis_url, engine=engine, max_num_seqs=4)
+    jid = producer.submit(prompt="a long story about " * 8, max_tokens=200, temperature=0.8, seed=1)
+    other = producer.submit(prompt="short", max_tokens=6, seed=2, temperature=0.8)
+    try:
+        w.run(max_steps=3)
+        assert engine.stats().num_free_blocks < total
+        assert producer.cancel(jid) == JobStatus.RUNNING
+        wait_for(lambda: w._cancel_requests, 5, "cancel to reach the worker")
+        w.run(max_steps=1)
+        res = producer.result(jid, timeout=5)
+        assert res.status == JobStatus.CANCELLED
+        assert res.completion_tokens <= 3 + 1  # tokens when cancelled, plus at most one step
+        assert engine.stats().num_running == 1  # only the other job
+        w.run(burst=True)
+    finally:
+        w.close()
+    assert producer.result(other, timeout=5).status == JobStatus.COMPLETED
+    st = engine.stats()
+    assert st.num_running == 0 and st.num_free_blocks == total
