@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 class WorkerProc:
     """``python -m worker.cli worker`` as a separate process, its output in a log file."""
 
-    def __init__(self, redis_url: str, model: str, consumer: str, log_dir: Path, *args: str, env: dict | None = None) -> None:
+    def __init__(self, redis_url: str, model: str, consumer: str, *args: str, log_dir: Path, env: dict | None = None) -> None:
         self.consumer = consumer
         self.log_path = log_dir / f"{consumer}.log"
         self._log = open(self.log_path, "w")

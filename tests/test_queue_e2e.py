@@ -1,0 +1,227 @@
+"""The whole queue path with workers as separate processes against a real Redis.
+
+Real engine (tiny random Llama with the SmolLM2 tokenizer, CPU) for end-to-end,
+crash and warm-shutdown; the instant fake engine for the 1,000-job backpressure run.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import redis
+
+from producer import JobStatus, Producer
+from producer import keys
+from tests.queue_helpers import ROOT, WorkerProc, assert_contiguous, pending_of, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def r(redis_url):
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def producer(redis_url):
+    with Producer.from_url(redis_url) as p:
+        yield p
+
+
+@pytest.fixture
+def workers(tmp_path):
+    started: list[WorkerProc] = []
+
+    def start(*a, **kw) -> WorkerProc:
+        w = WorkerProc(*a, log_dir=tmp_path, **kw)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def reference_llm(tiny_llama_dir):
+    from engine import LLM
+
+    return LLM(tiny_llama_dir, device="cpu", max_num_seqs=8, seed=0)
+
+
+def _spec(i: int, max_tokens: int) -> dict:
+    """Half seeded sampling, half greedy; a few chat jobs."""
+    d: dict = {"job_id": f"job-{i:03d}", "max_tokens": max_tokens}
+    if i % 5 == 4:
+        d["messages"] = [{"role": "user", "content": f"Tell me about the number {i}."}]
+    else:
+        d["prompt"] = f"Request {i}: the quick brown fox number {i}"
+    if i % 2:
+        d.update(temperature=0.8, seed=1000 + i)
+    else:
+        d.update(temperature=0.0)
+    return d
+
+
+def _reference_texts(llm, specs: list[dict]) -> dict[str, tuple[str, list[int]]]:
+    from engine import SamplingParams
+
+    out = {}
+    for s in specs:
+        params = SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], seed=s.get("seed"))
+        if "messages" in s:
+            o = llm.chat(s["messages"], params, use_tqdm=False)[0]
+        else:
+            o = llm.generate([s["prompt"]], params, use_tqdm=False)[0]
+        out[s["job_id"]] = (o.outputs[0].text, o.outputs[0].token_ids)
+    return out
+
+
+_SUBMITTER = """
+import json, sys
+from producer import Producer
+p = Producer.from_url(sys.argv[1])
+ids = p.submit_many(json.loads(sys.argv[2]))
+print(len(ids))
+"""
+
+
+def test_end_to_end_two_producers_two_workers(r, redis_url, producer, workers, tiny_llama_dir, reference_llm):
+    specs = [_spec(i, max_tokens=8) for i in range(50)]
+    w1 = workers(redis_url, tiny_llama_dir, "e2e-w1", "--max-num-seqs", "8")
+    w2 = workers(redis_url, tiny_llama_dir, "e2e-w2", "--max-num-seqs", "8")
+    w1.wait_ready()
+    w2.wait_ready()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _SUBMITTER, redis_url, json.dumps(part)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        for part in (specs[::2], specs[1::2])
+    ]
+    # a bad job beside them: too long for the model, only the worker can know
+    too_long = producer.submit(prompt="word " * 1500, max_tokens=4)
+    assert [p.communicate(timeout=60)[0].strip() for p in procs] == ["25", "25"]
+    expected = _reference_texts(reference_llm, specs)
+    results = {s["job_id"]: producer.result(s["job_id"], timeout=120) for s in specs}
+    for jid, res in results.items():
+        assert res.status == JobStatus.COMPLETED, res
+        streamed = "".join(e.text for e in producer.stream(jid, timeout=5))
+        assert streamed == res.text == assert_contiguous(r, jid), jid
+        assert (res.text, res.token_ids) == expected[jid], jid
+        assert res.deliveries == 1 and res.resumed_from == 0
+    assert {res.worker for res in results.values()} == {"e2e-w1", "e2e-w2"}
+    bad = producer.result(too_long, timeout=30)
+    assert bad.status == JobStatus.FAILED and "max_model_len" in bad.error
+    g = r.xinfo_groups(keys.jobs_stream("normal"))[0]
+    assert g["entries-read"] == 51 and g["pending"] == 0
+
+
+def test_kill9_worker_loses_nothing_and_seeded_jobs_resume_exactly(r, redis_url, producer, workers, tiny_llama_dir, reference_llm):
+    specs = [_spec(i, max_tokens=48) for i in range(1, 13)]
+    wa = workers(redis_url, tiny_llama_dir, "crash-a", "--max-num-seqs", "6", "--lease-ms", "1500")
+    wb = workers(redis_url, tiny_llama_dir, "crash-b", "--max-num-seqs", "6", "--lease-ms", "1500")
+    wa.wait_ready()
+    wb.wait_ready()
+    seen: dict[str, list] = {}
+
+    def subscribe(jid: str) -> None:
+        with Producer.from_url(redis_url) as p:
+            seen[jid] = list(p.stream(jid, timeout=120))
+
+    producer.submit_many(specs)
+    subs = [threading.Thread(target=subscribe, args=(s["job_id"],)) for s in specs]
+    for t in subs:
+        t.start()
+
+    def a_is_mid_job() -> bool:
+        mine = [s["job_id"] for s in specs if r.hget(keys.job_hash(s["job_id"]), "worker") == b"crash-a"]
+        return any(r.xlen(keys.out_stream(j)) >= 2 for j in mine) and pending_of(r).get("crash-a", 0) > 0
+
+    wait_for(a_is_mid_job, 120, "worker a to hold running jobs with published tokens")
+    held = pending_of(r)["crash-a"]
+    wa.kill9()
+    expected = _reference_texts(reference_llm, specs)
+    results = {s["job_id"]: producer.result(s["job_id"], timeout=180) for s in specs}
+    for t in subs:
+        t.join(60)
+    resumed = [res for res in results.values() if res.resumed_from > 0]
+    assert held > 0 and resumed, "the kill should have interrupted jobs with published tokens"
+    for jid, res in results.items():
+        assert res.status == JobStatus.COMPLETED, res
+        assert (res.text, res.token_ids) == expected[jid], f"{jid} (resumed from {res.resumed_from})"
+        assert assert_contiguous(r, jid) == res.text  # each token index published once, in order
+        evs = seen[jid]
+        idx = [e.index for e in evs]
+        assert idx == sorted(idx) and len(set(idx)) == len(idx)
+        assert "".join(e.text for e in evs) == res.text
+        assert [t for e in evs for t in e.token_ids] == res.token_ids
+    for res in resumed:
+        assert res.worker == "crash-b" and res.deliveries >= 2
+    assert pending_of(r).get("crash-a", 0) == 0
+
+
+def test_warm_shutdown_loses_nothing_and_exits_within_drain_timeout(r, redis_url, producer, workers, tiny_llama_dir, reference_llm):
+    specs = [_spec(i, max_tokens=64) for i in range(1, 9)]
+    wa = workers(redis_url, tiny_llama_dir, "warm-a", "--max-num-seqs", "4", "--drain-timeout", "2", "--lease-ms", "30000")
+    wa.wait_ready()
+    producer.submit_many(specs)
+    wait_for(lambda: pending_of(r).get("warm-a", 0) >= 4 and any(r.xlen(keys.out_stream(s["job_id"])) for s in specs), 60, "jobs running")
+    t0 = time.monotonic()
+    wa.signal(signal.SIGTERM)
+    wa.proc.wait(30)
+    took = time.monotonic() - t0
+    assert wa.proc.returncode == 0, wa.log()
+    assert took < 2 + 3, f"warm stop took {took:.1f}s with a 2s drain timeout"
+    assert "warm stop" in wa.log()
+    # released entries are reclaimable at once (not after the 30 s lease)
+    wb = workers(redis_url, tiny_llama_dir, "warm-b", "--max-num-seqs", "4", "--lease-ms", "30000")
+    expected = _reference_texts(reference_llm, specs)
+    results = {s["job_id"]: producer.result(s["job_id"], timeout=120) for s in specs}
+    for jid, res in results.items():
+        assert res.status == JobStatus.COMPLETED, res
+        assert (res.text, res.token_ids) == expected[jid], jid
+        assert assert_contiguous(r, jid) == res.text
+    assert any(res.worker == "warm-b" for res in results.values())
+    wb.stop()
+
+
+def test_backpressure_1000_jobs_pel_bounded_and_late_worker_gets_fair_share(r, redis_url, producer, workers):
+    producer.submit_many([{"prompt": f"job {i}", "max_tokens": 4, "job_id": f"bp-{i:04d}"} for i in range(1000)])
+    args = ("--max-num-seqs", "8", "--prefetch", "2")
+    wa = workers(redis_url, "fake:8", "bp-a", *args)
+    wa.wait_ready(30)
+    peak: dict[str, int] = {}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            for name, n in pending_of(r).items():
+                peak[name] = max(peak.get(name, 0), n)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        wait_for(lambda: r.get(keys.done_counter("normal", int(time.time()) - 1)) or r.get(keys.done_counter("normal", int(time.time()))), 30, "a first job done")
+        time.sleep(1.0)
+        wb = workers(redis_url, "fake:8", "bp-b", *args)
+        wb.wait_ready(30)
+        b_ready = time.time()
+        wait_for(lambda: r.xinfo_groups(keys.jobs_stream("normal"))[0]["lag"] == 0 and sum(pending_of(r).values()) == 0, 120, "all 1000 jobs done", 0.1)
+    finally:
+        stop.set()
+        sampler.join()
+    pipe = r.pipeline()
+    for i in range(1000):
+        pipe.hmget(keys.job_hash(f"bp-{i:04d}"), ["status", "started_at", "worker"])
+    rows = pipe.execute()
+    assert all(row[0] == b"completed" for row in rows)
+    assert peak["bp-a"] <= 8 + 2 and peak["bp-b"] <= 8 + 2, peak
+    after = [row[2] for row in rows if float(row[1]) > b_ready + 0.2]
+    share_b = after.count(b"bp-b") / len(after)
+    assert len(after) > 100 and 0.35 <= share_b <= 0.65, (len(after), share_b)
