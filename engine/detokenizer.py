@@ -52,8 +52,19 @@ class IncrementalDetokenizer:
                 return True
         return False
 
+    def _flush(self) -> None:
+        """At the end, a trailing partial character is shown as U+FFFD, as a plain decode would."""
+        if self.tokenizer is None or self.stop_reason is not None or self._read_offset == len(self.output_ids):
+            return
+        prefix = self._decode(self.output_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.output_ids[self._prefix_offset :])
+        self.text += full[len(prefix) :]
+        self._prefix_offset = self._read_offset = len(self.output_ids)
+
     def take_delta(self, finished: bool) -> str:
         """The text that may be shown now; all of it once the sample is finished."""
+        if finished:
+            self._flush()
         limit = len(self.text) if finished or not self.hold else max(self.num_emitted, len(self.text) - self.hold)
         delta = self.text[self.num_emitted : limit]
         self.num_emitted = max(self.num_emitted, limit)
