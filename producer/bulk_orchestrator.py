@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -41,7 +42,7 @@ CHUNK_LINES = 256
 POLL_S = 0.2
 META_EVERY_S = 1.0
 #: how long a cancelled bulk waits for jobs already queued before finalizing what is done
-CANCEL_GRACE_S = 60.0
+CANCEL_GRACE_S = float(os.environ.get("PAGESTREAM_BULK_CANCEL_GRACE_S", "60"))
 #: keep the status hash this long after the bulk is final
 STATUS_TTL_S = 30 * 24 * 3600
 
@@ -362,10 +363,12 @@ class Orchestrator:
             if done >= int(st.get("submitted", 0)) or st.get("finalize_parts"):
                 return
             if self._should_stop_feeding(st):
+                if not st.get("cancel_requested"):
+                    return  # expired: finalize what is done now, like OpenAI's expired batches
                 if cancel_deadline is None:
                     cancel_deadline = time.time() + CANCEL_GRACE_S
                     if st.get("status") != BulkStatus.CANCELLING.value:
-                        self._set_status(BulkStatus.CANCELLING if st.get("cancel_requested") else BulkStatus.IN_PROGRESS)
+                        self._set_status(BulkStatus.CANCELLING)
                 elif time.time() > cancel_deadline:
                     return
             time.sleep(POLL_S)

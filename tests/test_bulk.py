@@ -248,3 +248,58 @@ def test_cancel_finalizes_what_is_done(redis_url, tmp_path):
     assert st["status"] == "cancelled"
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "cancelled" and manifest["request_counts"]["total"] < 200
+
+
+def test_expired_bulk_finalizes_what_is_done(redis_url, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 50)
+    out = tmp_path / "out"
+    bulk_id = submit_bulk(str(inp), str(out), redis_url=redis_url, completion_window_s=0.01)
+    rq_burst(redis_url)  # no workers at all: nothing completes inside the window
+    st = get_bulk(redis.Redis.from_url(redis_url, decode_responses=True), bulk_id)
+    assert st["status"] == "expired" and st["request_counts"]["completed"] == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "expired" and (out / "output-00000.jsonl").read_bytes() == b""
+
+
+def test_cli_submit_wait_status_cancel_with_plain_rq_worker(redis_url, tmp_path):
+    """``pagestream bulk submit --wait`` while a plain ``rq worker`` runs the orchestrator."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from worker.cli import app
+
+    inp = tmp_path / "in.jsonl"
+    expected = write_input(inp, 120, bad_every=30)
+    out = tmp_path / "out"
+    stop = threading.Event()
+    standin = threading.Thread(target=run_standin, args=(redis_url, "cli-w"), kwargs={"stop": stop})
+    standin.start()
+    rq_exe = str(Path(sys.executable).with_name("rq"))
+    rq_proc = subprocess.Popen([rq_exe, "worker", BULK_QUEUE, "--url", redis_url, "--burst", "-S",
+                                "rq.serializers.JSONSerializer"], env={**os.environ, "PYTHONPATH": os.getcwd()},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        runner = CliRunner()
+        res = runner.invoke(app, ["bulk", "submit", str(inp), "--out", f"file://{out}", "--redis-url", redis_url,
+                                  "--shard-lines", "50", "--wait"])
+        assert res.exit_code == 0, res.output
+        bulk_id = res.output.splitlines()[0].strip()
+        assert "completed: 116 completed, 4 failed" in res.output
+    finally:
+        stop.set()
+        standin.join(timeout=30)
+        rq_proc.wait(timeout=60)
+    res = runner.invoke(app, ["bulk", "status", bulk_id, "--redis-url", redis_url, "--json"])
+    st = json.loads(res.output)
+    assert st["status"] == "completed" and st["request_counts"] == {"total": 120, "completed": 116, "failed": 4}
+    assert sorted(p.name for p in out.iterdir()) == ["errors-00000.jsonl", "manifest.json", "output-00000.jsonl",
+                                                     "output-00001.jsonl", "output-00002.jsonl"]
+    assert len(expected) == 116
+    res = runner.invoke(app, ["bulk", "status", bulk_id, "--redis-url", redis_url])
+    assert res.exit_code == 0 and "completed" in res.output and "total=120" in res.output
+    assert runner.invoke(app, ["bulk", "cancel", bulk_id, "--redis-url", redis_url]).output.strip() == "completed"
+    assert runner.invoke(app, ["bulk", "status", "nope", "--redis-url", redis_url]).exit_code == 2

@@ -105,3 +105,15 @@ def test_permanent_failure_at_finalize_leaves_nothing_half_written(redis_url, pr
     keys = _keys(s3, "halfway", "out/")
     assert not [k for k in keys if not k.startswith("out/parts/")], keys  # no shard, no manifest
     assert s3.list_multipart_uploads(Bucket="halfway").get("Uploads", []) == []
+
+
+def test_workers_denied_on_parts_fail_the_bulk_with_a_clear_message(redis_url, proxy, s3, tmp_path):
+    s3.create_bucket(Bucket="noparts")
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 30)
+    proxy.rules = [FaultRule("PUT", r"^/noparts/out/parts/", status=403, times=-1, code="AccessDenied")]
+    bulk_id = submit_bulk(str(inp), "s3://noparts/out", redis_url=redis_url)
+    st = run_bulk_with_standins(redis_url, bulk_id, n_workers=1)
+    assert st["status"] == "failed", st
+    assert st["error"].startswith("workers cannot write parts to s3://noparts/out") and "AccessDenied" in st["error"]
+    assert _keys(s3, "noparts") == []
