@@ -1,0 +1,50 @@
+"""The import rules of ARCHITECTURE.md, checked on the source and in a clean interpreter."""
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+FORBIDDEN = {
+    "producer": {"torch", "triton", "transformers", "engine", "kernels", "worker"},
+    "engine": {"redis", "pydantic", "pydantic_settings", "boto3", "producer", "worker", "rq"},
+    "kernels": {"engine", "producer", "worker", "redis", "pydantic"},
+}
+
+
+def imported_modules(path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name.split(".")[0], node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module.split(".")[0], node.lineno
+
+
+def test_packages_import_only_what_the_architecture_allows():
+    bad = []
+    for package, forbidden in FORBIDDEN.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for module, line in imported_modules(path):
+                if module in forbidden:
+                    bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert not bad, "\n".join(bad)
+
+
+def _modules_after(code):
+    probe = code + "\nimport sys\nprint(sorted(m for m in ('torch', 'triton', 'transformers', 'redis', 'pydantic', 'boto3') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_producer_only_install_never_loads_torch():
+    loaded = _modules_after("import producer, producer.client, producer.schema")
+    assert "torch" not in loaded and "transformers" not in loaded, loaded
+
+
+def test_the_engine_package_loads_no_queue_libraries():
+    loaded = _modules_after("import engine, engine.llm_engine, engine.model_runner")
+    assert "redis" not in loaded and "pydantic" not in loaded and "boto3" not in loaded, loaded
