@@ -27,7 +27,7 @@ from producer.bulk_storage import ObjectInfo, Storage
 PARTS_PREFIX = "parts/"
 MANIFEST = "manifest.json"
 # input lines per spill file: bounds the dict held while deduplicating one range
-_SPILL_RANGE_LINES = 16_384
+_SPILL_RANGE_LINES = 4_096
 
 
 def shard_name(kind: str, index: int) -> str:
@@ -114,7 +114,8 @@ def compact(
         errors = _ShardWriter(storage, "errors", shard_lines, tmpdir, on_progress)
         n_ok = n_err = 0
         for rng in sorted(spills):
-            best: dict[tuple[int, str], tuple[tuple[int, int], PartEntry]] = {}
+            # keep the raw line, not the parsed record: this dict is the only per-range memory
+            best: dict[tuple[int, str], tuple[tuple[int, int], bytes]] = {}
             path = os.path.join(tmpdir, f"spill-{rng}")
             with open(path, "rb") as f:
                 for raw in f:
@@ -124,10 +125,10 @@ def compact(
                     key = (entry.line, entry.custom_id or "")
                     cur = best.get(key)
                     if cur is None or rank < cur[0]:
-                        best[key] = (rank, entry)
+                        best[key] = (rank, payload)
             os.unlink(path)
             for key in sorted(best):
-                entry = best[key][1]
+                entry = PartEntry.loads(best[key][1])
                 if entry.ok:
                     outputs.write(entry.record)
                     n_ok += 1
