@@ -188,3 +188,31 @@ def test_cancel_running_job_stops_within_one_step_and_frees_blocks(r, redis_url,
     assert producer.result(other, timeout=5).status == JobStatus.COMPLETED
     st = engine.stats()
     assert st.num_running == 0 and st.num_free_blocks == total
+
+
+def test_worker_reconnects_when_redis_drops_its_connections(r, redis_url, producer):
+    import threading
+
+    client = redis.Redis.from_url(redis_url, client_name="ps-test-reconnect")
+    w = make_worker(client, redis_url, engine=FakeEngine(FakeConfig(max_num_seqs=8, step_delay_s=0.01)), max_num_seqs=8)
+    ids = [producer.submit(prompt=f"job {i}", max_tokens=30, seed=i) for i in range(24)]
+    t = threading.Thread(target=w.run)
+    t.start()
+    try:
+        wait_for(lambda: w.num_steps >= 10, 10, "work under way")
+        killed = 0
+        for _ in range(3):  # drop every connection of the worker, a few times
+            for c in r.client_list():
+                if c.get("name") == "ps-test-reconnect":
+                    killed += r.client_kill_filter(_id=c["id"])
+            time.sleep(0.2)
+        assert killed >= 3
+        for j in ids:
+            res = producer.result(j, timeout=30)
+            assert res.status == JobStatus.COMPLETED
+            assert "".join(e.text for e in producer.stream(j, timeout=5)) == res.text
+            assert res.text == w.engine.expected_text(f"job {ids.index(j)}", seed=ids.index(j), max_tokens=30)
+    finally:
+        w.request_stop()
+        t.join(30)
+    assert not t.is_alive()

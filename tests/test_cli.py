@@ -1,0 +1,78 @@
+"""The ``pagestream`` CLI as a user runs it: subprocesses against a real Redis and a worker process."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import redis
+
+from producer import keys
+from tests.queue_helpers import ROOT, WorkerProc
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def fake_worker(redis_url, tmp_path):
+    w = WorkerProc(redis_url, "fake:2", "cli-w", log_dir=tmp_path)
+    w.wait_ready(30)
+    yield w
+    assert w.stop() == 0
+
+
+def test_submit_json_stream_tail_and_stats(redis_url, fake_worker):
+    out = cli("submit", "--redis-url", redis_url, "hello world", "--max-tokens", "5", "--seed", "7", "--json")
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["status"] == "completed" and len(res["token_ids"]) == 5 and res["worker"] == "cli-w"
+
+    # REDIS_URL is the default for --redis-url; --stream prints the same text live
+    out = cli("submit", "hello world", "--max-tokens", "5", "--seed", "7", "--stream", env={"REDIS_URL": redis_url})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == res["text"]
+
+    out = cli("tail", res["job_id"], "--redis-url", redis_url)
+    assert out.returncode == 0 and out.stdout.strip() == res["text"]
+    assert "completed" in out.stderr
+
+    r = redis.Redis.from_url(redis_url)
+    r.xadd(keys.jobs_stream("normal"), {"job": b"\xff not json"})
+    out = cli("submit", "--redis-url", redis_url, "after the bad one", "--max-tokens", "2")
+    assert out.returncode == 0
+    out = cli("stats", "--redis-url", redis_url)
+    assert out.returncode == 0, out.stderr
+    assert "normal" in out.stdout and "cli-w" in out.stdout and "dead letters: 1" in out.stdout
+    data = json.loads(cli("stats", "--redis-url", redis_url, "--json").stdout)
+    assert data["lanes"]["normal"]["pending"] == 0 and data["dead_letters"] == 1
+    assert data["lanes"]["normal"]["jobs_per_s"] > 0
+
+
+def test_submit_bad_input_is_a_clear_error(redis_url):
+    out = cli("submit", "--redis-url", redis_url, "hi", "--temperature", "-1")
+    assert out.returncode == 2 and "temperature" in out.stderr
+    out = cli("submit", "--redis-url", redis_url, "hi", "--lane", "urgent")
+    assert out.returncode == 2 and "lane" in out.stderr
+    assert redis.Redis.from_url(redis_url).xlen(keys.jobs_stream("normal")) == 0
+
+
+def test_producer_commands_do_not_import_torch_or_the_engine(redis_url):
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from worker.cli import app\n"
+        f"r = CliRunner().invoke(app, ['submit', '--redis-url', '{redis_url}', 'x', '--no-wait'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        f"r = CliRunner().invoke(app, ['stats', '--redis-url', '{redis_url}'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'engine'))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
