@@ -216,3 +216,69 @@ def test_worker_reconnects_when_redis_drops_its_connections(r, redis_url, produc
         w.request_stop()
         t.join(30)
     assert not t.is_alive()
+
+
+def test_trim_drops_acked_entries_but_never_the_pending_backlog(r, redis_url):
+    from worker.consumer import Consumer
+
+    stream = keys.jobs_stream("normal")
+    ids = [r.xadd(stream, {"job": b"{}"}).decode() for _ in range(10)]
+    c = Consumer(r, WorkerSettings(redis_url=redis_url, consumer="t"))
+    c.ensure_groups()
+    r.xreadgroup("workers", "t", {stream: ">"}, count=6)
+    r.xack(stream, "workers", ids[0], ids[1], ids[2], ids[4], ids[5])  # ids[3] still pending; 6..9 never delivered
+    assert c.trim()["normal"] == 3
+    assert [e[0].decode() for e in r.xrange(stream)] == ids[3:]
+    r.xack(stream, "workers", ids[3])
+    c.trim()
+    assert [e[0].decode() for e in r.xrange(stream)] == ids[6:]  # undelivered entries stay
+
+
+class _StubSink:
+    """Stands in for worker.bulk_sink.BulkSink: parts become durable when the test says so."""
+
+    def __init__(self):
+        self.added, self.durable, self.closed = [], [], False
+
+    def add(self, lane, entry_id, job, result):
+        self.added.append((lane, entry_id, job, result))
+
+    def poll(self):
+        out, self.durable = self.durable, []
+        return out
+
+    def close(self):
+        self.closed = True
+        return [(lane, eid) for lane, eid, _, _ in self.added]
+
+
+def test_bulk_jobs_go_to_the_sink_and_are_acked_only_when_durable(r, redis_url, producer):
+    sink = _StubSink()
+    w = make_worker(r, redis_url)
+    w._sink = sink
+    out = {"kind": "bulk", "bulk_id": "b1", "custom_id": "c1"}
+    ok = producer.submit(prompt="bulk one", max_tokens=3, seed=1, output=out)
+    r.xadd(keys.jobs_stream("normal"), {"job": json.dumps({"job_id": "bad-bulk", "prompt": "x", "temperature": -5, "output": {**out, "custom_id": "c2"}})})
+    plain = producer.submit(prompt="plain", max_tokens=2)
+    try:
+        w.run(burst=True, max_steps=1)
+        while w._busy():
+            w.run(burst=True, max_steps=1)
+        w.publisher.flush(2)
+        stream = keys.jobs_stream("normal")
+        assert r.xpending(stream, "workers")["pending"] == 2  # both bulk entries wait for durability
+        by_id = {job.job_id: res for _, _, job, res in sink.added}
+        assert by_id[ok].status == JobStatus.COMPLETED and len(by_id[ok].token_ids) == 3
+        assert by_id["bad-bulk"].status == JobStatus.FAILED and "temperature" in by_id["bad-bulk"].error
+        assert r.xlen(keys.out_stream(ok)) == 0  # no token events for bulk jobs
+        assert producer.result(plain, timeout=2).status == JobStatus.COMPLETED
+        first = sink.added[0][:2]
+        sink.durable = [first]
+        w._poll_sink()
+        w.publisher.flush(2)
+        assert r.xpending(stream, "workers")["pending"] == 1
+    finally:
+        w.close()
+    assert sink.closed
+    assert r.xpending(keys.jobs_stream("normal"), "workers")["pending"] == 0
+    assert r.xlen(keys.dead_letter_stream()) == 1  # the invalid bulk job also leaves a DLQ copy

@@ -86,6 +86,7 @@ class Worker:
         self._active: dict[str, ActiveJob] = {}  # job_id -> job in the engine
         self._buffer: deque[ActiveJob] = deque()  # pulled, validated, not yet in the engine
         self._held: set[tuple[str, str]] = set()  # (lane, entry_id) read and not yet acked (redis jobs)
+        self._sink_pending: set[tuple[str, str]] = set()  # bulk results waiting for a durable part: leases kept, not counted
         self._lock = threading.Lock()  # guards _held, _cancel_requests, _lost
         self._cancel_requests: set[str] = set()
         self._lost: set[tuple[str, str]] = set()
@@ -447,6 +448,7 @@ class Worker:
         sink.add(d.lane, d.entry_id, job, result)
         with self._lock:
             self._held.discard((d.lane, d.entry_id))  # durable-pending bulk entries do not block pulling
+            self._sink_pending.add((d.lane, d.entry_id))
         return True
 
     def _poll_sink(self) -> None:
@@ -463,6 +465,7 @@ class Worker:
     def _on_acked(self, pairs: list[tuple[str, str]]) -> None:
         with self._lock:
             self._held.difference_update(pairs)
+            self._sink_pending.difference_update(pairs)
 
     # -- cancellation, deadlines, lost leases -------------------------------------------------------
 
@@ -532,7 +535,7 @@ class Worker:
                 if now >= next_refresh:
                     next_refresh = now + refresh_every
                     with self._lock:
-                        held = list(self._held)
+                        held = list(self._held | self._sink_pending)
                     by_lane: dict[str, list[str]] = {}
                     for lane, eid in held:
                         by_lane.setdefault(lane, []).append(eid)
