@@ -91,8 +91,7 @@ def _rq_connection(conn: redis.Redis) -> redis.Redis:
     return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=conn.connection_pool.connection_class, **kwargs))
 
 
-def enqueue_run(conn: redis.Redis, bulk_id: str, *, job_id: str | None = None, queue_name: str = BULK_QUEUE,
-                pipeline: redis.client.Pipeline | None = None) -> str:
+def enqueue_run(conn: redis.Redis, bulk_id: str, *, job_id: str | None = None, queue_name: str = BULK_QUEUE) -> str:
     """Enqueue the orchestration job of ``bulk_id`` on RQ; returns the RQ job id."""
     from rq import Retry
 
@@ -112,48 +111,65 @@ def enqueue_run(conn: redis.Redis, bulk_id: str, *, job_id: str | None = None, q
     return job.id
 
 
-def submit_bulk(
+def create_bulk(
     input: str,
     output: str,
     *,
-    redis_url: str | None = None,
-    connection: redis.Redis | None = None,
+    connection: redis.Redis,
     model: str | None = None,
     lane: Lane | str = Lane.LOW,
     shard_lines: int = 10_000,
     max_outstanding: int = 2_048,
     completion_window_s: float | None = None,
     s3_endpoint_url: str | None = None,
-    queue_name: str = BULK_QUEUE,
     bulk_id: str | None = None,
 ) -> str:
-    """Create a bulk and enqueue its orchestration job; returns the bulk id.
+    """Write a bulk's status hash (status ``validating``) without enqueueing it; returns the bulk id.
 
-    ``input`` is a local path, ``file://`` URI or ``s3://bucket/key``; ``output`` a
-    local directory, ``file://`` URI or ``s3://bucket/prefix``. Nothing is read
-    here: the orchestrator validates both (status ``validating``) and fails the
-    bulk with a clear error if either is unusable.
+    For backends that enqueue RQ jobs themselves:
+    ``bulk_queue(conn).enqueue(RUN_BULK_FUNC, bulk_id, job_timeout=-1)``.
     """
-    if connection is None:
-        if redis_url is None:
-            raise ValueError("pass redis_url or connection")
-        connection = redis.Redis.from_url(redis_url, decode_responses=True)
     spec = BulkSpec(
         bulk_id=bulk_id or new_bulk_id(), input=input, output=output, model=model, lane=Lane(lane),
         shard_lines=shard_lines, max_outstanding=max_outstanding, completion_window_s=completion_window_s,
         s3_endpoint_url=s3_endpoint_url,
     )
     key = bulk_keys.bulk_hash(spec.bulk_id)
-    created = connection.hsetnx(key, "spec", spec.model_dump_json())
-    if not created:
+    if not connection.hsetnx(key, "spec", spec.model_dump_json()):
         raise ValueError(f"bulk {spec.bulk_id} already exists")
     pipe = connection.pipeline()
     pipe.hset(key, mapping={"status": BulkStatus.VALIDATING.value, "created_at": repr(spec.created_at),
                             "line": 0, "offset": 0, "submitted": 0, "invalid": 0, "completed": 0, "failed": 0})
     pipe.zadd(bulk_keys.bulk_index(), {spec.bulk_id: spec.created_at})
     pipe.execute()
-    enqueue_run(connection, spec.bulk_id, queue_name=queue_name)
     return spec.bulk_id
+
+
+def submit_bulk(
+    input: str,
+    output: str,
+    *,
+    redis_url: str | None = None,
+    connection: redis.Redis | None = None,
+    queue_name: str = BULK_QUEUE,
+    **options: Any,
+) -> str:
+    """Create a bulk and enqueue its orchestration job on RQ; returns the bulk id.
+
+    ``input`` is a local path, ``file://`` URI or ``s3://bucket/key``; ``output`` a
+    local directory, ``file://`` URI or ``s3://bucket/prefix``. ``options`` are
+    ``create_bulk``'s (model, lane, shard_lines, max_outstanding,
+    completion_window_s, s3_endpoint_url, bulk_id). Nothing is read here: the
+    orchestrator validates both (status ``validating``) and fails the bulk with a
+    clear error if either is unusable.
+    """
+    if connection is None:
+        if redis_url is None:
+            raise ValueError("pass redis_url or connection")
+        connection = redis.Redis.from_url(redis_url, decode_responses=True)
+    bulk_id = create_bulk(input, output, connection=connection, **options)
+    enqueue_run(connection, bulk_id, queue_name=queue_name)
+    return bulk_id
 
 
 def load_spec(conn: redis.Redis, bulk_id: str) -> BulkSpec:
@@ -203,17 +219,20 @@ def get_bulk(conn: redis.Redis, bulk_id: str) -> dict[str, Any]:
     return out
 
 
-def cancel_bulk(conn: redis.Redis, bulk_id: str) -> str:
-    """Ask the orchestrator to stop feeding and finalize what is done; returns the resulting status."""
+def cancel_bulk(conn: redis.Redis, bulk_id: str, pipeline: redis.client.Pipeline | None = None) -> str:
+    """Ask the orchestrator to stop feeding and finalize what is done; returns the resulting status.
+
+    With ``pipeline`` the write is queued there (the caller executes it)."""
     key = bulk_keys.bulk_hash(bulk_id)
     if not conn.exists(key):
         raise KeyError(f"no bulk {bulk_id!r}")
     status = BulkStatus(_text(conn.hget(key, "status")))
     if status.is_final:
         return status.value
-    pipe = conn.pipeline()
+    pipe = pipeline if pipeline is not None else conn.pipeline()
     pipe.hset(key, mapping={"cancel_requested": repr(time.time()), "status": BulkStatus.CANCELLING.value})
-    pipe.execute()
+    if pipeline is None:
+        pipe.execute()
     return BulkStatus.CANCELLING.value
 
 

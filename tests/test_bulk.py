@@ -303,3 +303,18 @@ def test_cli_submit_wait_status_cancel_with_plain_rq_worker(redis_url, tmp_path)
     assert res.exit_code == 0 and "completed" in res.output and "total=120" in res.output
     assert runner.invoke(app, ["bulk", "cancel", bulk_id, "--redis-url", redis_url]).output.strip() == "completed"
     assert runner.invoke(app, ["bulk", "status", "nope", "--redis-url", redis_url]).exit_code == 2
+
+
+def test_backend_enqueues_the_documented_function_itself(redis_url, tmp_path):
+    from producer.bulk import RUN_BULK_FUNC, create_bulk
+
+    inp = tmp_path / "in.jsonl"
+    expected = write_input(inp, 40)
+    out = tmp_path / "out"
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    bulk_id = create_bulk(str(inp), str(out), connection=r)
+    bulk_queue(redis.Redis.from_url(redis_url)).enqueue(RUN_BULK_FUNC, bulk_id, job_timeout=-1)
+    st = run_bulk_with_standins(redis_url, bulk_id, n_workers=1)
+    assert st["status"] == "completed" and st["request_counts"]["completed"] == len(expected) == 40
+    with pytest.raises(ValueError, match="already exists"):
+        create_bulk(str(inp), str(out), connection=r, bulk_id=bulk_id)
