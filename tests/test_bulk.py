@@ -318,3 +318,76 @@ def test_backend_enqueues_the_documented_function_itself(redis_url, tmp_path):
     assert st["status"] == "completed" and st["request_counts"]["completed"] == len(expected) == 40
     with pytest.raises(ValueError, match="already exists"):
         create_bulk(str(inp), str(out), connection=r, bulk_id=bulk_id)
+
+
+def test_finalize_rerun_after_crash_mid_upload_is_idempotent(s3, bucket, moto_url):
+    """A finalize that died after some shards were written re-runs to the same bytes (write-once shards)."""
+    from producer.bulk_finalize import compact
+    from producer.bulk_io import PartEntry
+
+    st = S3Storage(f"s3://{bucket}/out", StorageSettings(s3_endpoint_url=moto_url))
+    entries = [PartEntry(line=i, custom_id=f"c{i}", ok=i % 7 != 0, record={"custom_id": f"c{i}", "n": i})
+               for i in range(1, 101)]
+    # two parts, one duplicate line (a re-run job) in the second
+    st.put_bytes("parts/w0-000001.jsonl", b"".join(e.dumps() for e in entries[:60]))
+    st.put_bytes("parts/w1-000002.jsonl", b"".join(e.dumps() for e in entries[55:]))
+    parts = ["parts/w0-000001.jsonl", "parts/w1-000002.jsonl"]
+
+    class Crash(Exception):
+        pass
+
+    real = st.put_file_once
+    calls = []
+
+    def crash_after_two(name, src):
+        calls.append(name)
+        if len(calls) > 2:
+            raise Crash(name)
+        return real(name, src)
+
+    st.put_file_once = crash_after_two
+    with pytest.raises(Crash):
+        compact(st, parts, bulk_id="b", shard_lines=30, header={})
+    st.put_file_once = real
+    manifest = compact(st, parts, bulk_id="b", shard_lines=30, header={})
+    assert manifest["request_counts"] == {"total": 100, "completed": 86, "failed": 14}
+    assert [s["lines"] for s in manifest["output_shards"]] == [30, 30, 26]
+    got = []
+    for shard in manifest["output_shards"]:
+        got += read_jsonl(s3.get_object(Bucket=bucket, Key=f"out/{shard['name']}")["Body"].read())
+    assert [r["n"] for r in got] == [i for i in range(1, 101) if i % 7]
+    assert compact(st, parts, bulk_id="b", shard_lines=30, header={}) == manifest  # manifest exists: no-op
+
+
+def test_sink_acks_only_durable_entries_and_drops_final_bulks(redis_url, tmp_path):
+    from producer.bulk import create_bulk
+    from producer.schema import JobRequest, JobResult, JobStatus, OutputTarget
+    from worker.bulk_sink import BulkSink
+
+    class Settings:
+        bulk_flush_lines = 3
+        bulk_flush_interval_s = 3600.0
+        s3_endpoint_url = None
+
+    r = redis.Redis.from_url(redis_url)  # bytes responses, like the worker's client
+    out = tmp_path / "out"
+    bulk_id = create_bulk(str(tmp_path / "in.jsonl"), str(out), connection=redis.Redis.from_url(redis_url, decode_responses=True))
+    r.hset(bulk_keys.bulk_hash(bulk_id), "status", "in_progress")
+    sink = BulkSink(r, "host/1", Settings())
+
+    def add(i, custom_id=None):
+        job = JobRequest(job_id=f"{bulk_id}-L{i}", prompt="p", lane="low", metadata={"bulk_line": i},
+                         output=OutputTarget(kind="bulk", bulk_id=bulk_id, custom_id=custom_id or f"c{i}", uri=str(out)))
+        sink.add("low", f"{i}-0", job, JobResult(job_id=job.job_id, status=JobStatus.COMPLETED, text=f"t{i}"))
+
+    add(1), add(2)
+    assert sink.poll() == [] and not (out / "parts").exists()  # under flush_lines, before the interval
+    add(3)
+    assert sink.poll() == [("low", "1-0"), ("low", "2-0"), ("low", "3-0")]
+    assert [p.name for p in (out / "parts").iterdir()] == ["host_1-000001.jsonl"]
+    add(3)  # the same job again (re-delivered): written, acked, not counted twice
+    assert sink.close() == [("low", "3-0")]
+    assert r.hget(bulk_keys.bulk_hash(bulk_id), "completed") == b"3"
+    r.hset(bulk_keys.bulk_hash(bulk_id), "status", "cancelled")
+    add(4)
+    assert sink.close() == [("low", "4-0")] and len(list((out / "parts").iterdir())) == 2  # dropped, not written
