@@ -33,6 +33,8 @@ BULK_QUEUE = "pagestream-bulk"
 RUN_BULK_FUNC = "producer.bulk_orchestrator.run_bulk"
 #: orchestrator lease: a dead orchestrator's bulk is picked up again this long after its last heartbeat
 LEASE_S = float(os.environ.get("PAGESTREAM_BULK_LEASE_S", "15"))
+#: re-enqueues of a bulk whose orchestrator keeps dying before the bulk is failed
+MAX_RESTARTS = 20
 
 
 class BulkStatus(str, Enum):
@@ -129,6 +131,8 @@ def create_bulk(
     For backends that enqueue RQ jobs themselves:
     ``bulk_queue(conn).enqueue(RUN_BULK_FUNC, bulk_id, job_timeout=-1)``.
     """
+    # The orchestrator runs elsewhere (another cwd): pin relative local paths now.
+    input, output = (u if "://" in u else os.path.abspath(u) for u in (input, output))
     spec = BulkSpec(
         bulk_id=bulk_id or new_bulk_id(), input=input, output=output, model=model, lane=Lane(lane),
         shard_lines=shard_lines, max_outstanding=max_outstanding, completion_window_s=completion_window_s,
@@ -280,6 +284,10 @@ def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]
         if not conn.set(bulk_keys.bulk_rescue_marker(bulk_id), "1", nx=True, ex=30):
             continue
         n = conn.hincrby(key, "restarts", 1)
+        if n > MAX_RESTARTS:
+            conn.hset(key, mapping={"status": BulkStatus.FAILED.value, "finished_at": repr(time.time()),
+                                    "error": f"orchestrator died or failed {n - 1} times; giving up"})
+            continue
         enqueue_run(conn, bulk_id, job_id=f"{bulk_id}-r{n}", queue_name=queue_name)
         rescued.append(bulk_id)
     return rescued

@@ -201,6 +201,8 @@ class Orchestrator:
         log.error("bulk %s failed: %s", self.bulk_id, message)
         self._set_status(BulkStatus.FAILED, error=message, finished_at=repr(time.time()))
         self.conn.expire(self.key, STATUS_TTL_S)
+        self.conn.delete(bulk_keys.bulk_seen_hash(self.bulk_id), bulk_keys.bulk_done_set(self.bulk_id),
+                         bulk_keys.bulk_part_seq(self.bulk_id))
 
     def _run_locked(self) -> None:
         if self.status() == BulkStatus.VALIDATING:

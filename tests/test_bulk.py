@@ -391,3 +391,10 @@ def test_sink_acks_only_durable_entries_and_drops_final_bulks(redis_url, tmp_pat
     r.hset(bulk_keys.bulk_hash(bulk_id), "status", "cancelled")
     add(4)
     assert sink.close() == [("low", "4-0")] and len(list((out / "parts").iterdir())) == 2  # dropped, not written
+
+
+def test_missing_input_fails_with_its_path(redis_url, tmp_path):
+    bulk_id = submit_bulk(str(tmp_path / "nope.jsonl"), str(tmp_path / "out"), redis_url=redis_url)
+    rq_burst(redis_url)
+    st = get_bulk(redis.Redis.from_url(redis_url, decode_responses=True), bulk_id)
+    assert st["status"] == "failed" and f"input file {tmp_path / 'nope.jsonl'} does not exist" in st["error"]
