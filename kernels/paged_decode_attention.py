@@ -126,11 +126,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
-    """Enough programs to fill the chip a few times over, never a split shorter than 4 tiles."""
+    """The smallest power of two that gives >= 2 programs per SM, never a split shorter than 4 tiles.
+
+    Measured on the H200 (bench/KERNELS_NOTES.md): splitting when there are already
+    enough programs only costs (the reduce, partials traffic), and odd counts lose.
+    """
     base = max(1, num_seqs * num_kv_heads)
-    want = triton.cdiv(4 * num_sms, base)
     cap = max(1, max_context // (4 * block_n))
-    return max(1, min(want, cap, 64))
+    splits = 1
+    while base * splits < 2 * num_sms and splits * 2 <= min(cap, 64):
+        splits *= 2
+    return splits
 
 
 def paged_decode_attention(
