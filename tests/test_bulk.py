@@ -15,10 +15,11 @@ import pytest
 import redis
 
 from producer import bulk_keys
-from producer.bulk import BULK_QUEUE, BulkStatus, bulk_queue, cancel_bulk, get_bulk, submit_bulk
+from producer.bulk import BULK_QUEUE, bulk_queue, cancel_bulk, get_bulk, submit_bulk
 from producer.bulk_io import BadLine, BulkRequest, parse_line
-from producer.bulk_storage import ConflictError, LocalStorage, S3Storage, StorageSettings
-from test_bulk_support import AWS_ENV, fake_text, run_standin, start_moto
+from producer.bulk_s3 import S3Storage
+from producer.bulk_storage import ConflictError, LocalStorage, StorageSettings
+from test_bulk_support import AWS_ENV, run_standin, start_moto
 
 
 @pytest.fixture(scope="module")
