@@ -83,6 +83,7 @@ class Publisher:
         self._cond = threading.Condition()
         self._stop = False
         self._busy = False
+        self._urgent = False
         self._thread = threading.Thread(target=self._run, name="pagestream-publisher", daemon=True)
         self.num_flushes = 0
         self.num_events = 0
@@ -92,12 +93,19 @@ class Publisher:
         self._thread.start()
 
     def put(self, items: list[object]) -> None:
-        """Queue one step's writes (in order). Never blocks on Redis."""
-        items = [i for i in items if i is not None and not (isinstance(i, Ack) and not i.entry_ids)]
+        """Queue one step's writes (in order). Never blocks on Redis.
+
+        Token deltas wait up to ``interval_s`` to be coalesced; a job's first token and
+        anything else (results, acks, start markers) make the next flush go out at once,
+        so time to first token and PEL slots are not held back by coalescing.
+        """
         if not items:
             return
+        urgent = any(not isinstance(i, Delta) or i.index == 0 for i in items)
         with self._cond:
             self._items.extend(items)
+            if urgent:
+                self._urgent = True
             self._cond.notify()
 
     def pending(self) -> int:
@@ -136,13 +144,16 @@ class Publisher:
                     self._cond.wait()
                 if self._stop and not self._items and not batch:
                     return
-            # Let deltas pile up for at most interval_s since the previous flush.
-            wait = last_flush + self.interval_s - time.monotonic()
-            if wait > 0 and not self._stop:
-                time.sleep(wait)
-            with self._cond:
+                # Let deltas pile up for at most interval_s since the previous flush, unless
+                # something urgent (a final result: its ack frees a PEL slot) is waiting.
+                while not self._stop and not self._urgent:
+                    wait = last_flush + self.interval_s - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._cond.wait(wait)
                 batch.extend(self._items)
                 self._items.clear()
+                self._urgent = False
                 self._busy = True
             try:
                 acked = self._write(batch)
@@ -200,7 +211,7 @@ class Publisher:
                     ctr = keys.done_counter(op.entry[0], now_s)
                     pipe.incr(ctr)
                     pipe.expire(ctr, 120)
-            elif isinstance(op, Ack):
+            elif isinstance(op, Ack) and op.entry_ids:
                 self.consumer.ack(op.lane, op.entry_ids, pipeline=pipe)
                 acked.extend((op.lane, e) for e in op.entry_ids)
         pipe.execute()
@@ -212,6 +223,8 @@ def _coalesce(items: list[object]) -> _Batch:
     b = _Batch()
     open_delta: dict[tuple[str, int], Delta] = {}  # the last delta of each (job, sample), still extendable
     for it in items:
+        if it is None:
+            continue
         if isinstance(it, Delta):
             key = (it.job_id, it.sample)
             cur = open_delta.get(key)

@@ -53,14 +53,13 @@ class ActiveJob:
     samples: dict[int, _Sample] = field(default_factory=dict)
     started_at: float = 0.0
     prompt_tokens: int = 0
+    # copied out of the job: read for every delta of every step
+    job_id: str = field(init=False)
+    is_bulk: bool = field(init=False)
 
-    @property
-    def job_id(self) -> str:
-        return self.job.job_id
-
-    @property
-    def is_bulk(self) -> bool:
-        return self.job.output.kind == "bulk"
+    def __post_init__(self) -> None:
+        self.job_id = self.job.job_id
+        self.is_bulk = self.job.output.kind == "bulk"
 
 
 class InvalidJob(Exception):
@@ -372,24 +371,31 @@ class Worker:
     # -- results --------------------------------------------------------------------------------
 
     def _publish(self, outputs: list) -> None:
+        # Hot path (every step, every running job): plain attribute reads only.
         ops: list[object] = []
+        append = ops.append
+        active = self._active
         for out in outputs:
-            a = self._active.get(out.request_id)
+            a = active.get(out.request_id)
             if a is None:
                 continue
-            if out.prompt_token_ids:
+            if not a.prompt_tokens and out.prompt_token_ids:
                 a.prompt_tokens = len(out.prompt_token_ids)
+            samples = a.samples
             for c in out.outputs:
-                s = a.samples.setdefault(c.index, _Sample())
-                if s.finish_reason is not None and not c.token_ids and not c.text:
-                    continue  # a sample that finished earlier, reported again with its request
-                s.token_ids.extend(c.token_ids)
-                if c.text:
-                    s.text.append(c.text)
-                if c.finish_reason is not None:
-                    s.finish_reason = c.finish_reason
-                if not a.is_bulk and (c.token_ids or c.text or c.finish_reason):
-                    ops.append(Delta(a.job_id, c.index, c.first_token_index, list(c.token_ids), c.text, c.finish_reason))
+                s = samples.get(c.index)
+                if s is None:
+                    s = samples[c.index] = _Sample()
+                ids, text, fin = c.token_ids, c.text, c.finish_reason
+                if not ids and not text and (fin is None or s.finish_reason is not None):
+                    continue  # nothing new (or a sample that finished earlier, reported again)
+                s.token_ids.extend(ids)
+                if text:
+                    s.text.append(text)
+                if fin is not None:
+                    s.finish_reason = fin
+                if not a.is_bulk:
+                    append(Delta(a.job_id, c.index, c.first_token_index, ids, text, fin))
             if out.finished:
                 del self._active[a.job_id]
                 if out.error:
