@@ -57,7 +57,8 @@ class BulkStatus(str, Enum):
 class BulkSpec(BaseModel):
     """What a bulk was asked to do; stored as JSON in the status hash's ``spec`` field."""
 
-    bulk_id: str
+    # becomes part of key names, a hash tag and every job id: no braces, no whitespace
+    bulk_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,63}$")
     input: str
     output: str
     model: str | None = None

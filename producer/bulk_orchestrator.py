@@ -182,6 +182,9 @@ class Orchestrator:
         if not self._acquire():
             log.info("bulk %s is being run by another orchestrator", self.bulk_id)
             return self.summary()
+        if self.status().is_final:  # finished by the previous lease holder meanwhile
+            self._release(keys=[self.lock_key], args=[self.token])
+            return self.summary()
         beat = threading.Thread(target=self._heartbeat, name=f"bulk-lease-{self.bulk_id}", daemon=True)
         beat.start()
         try:

@@ -183,12 +183,13 @@ def test_acceptance_kill9_worker_and_orchestrator_real_workers(redis_url, moto_u
     s3.create_bucket(Bucket="acc2")
     inp = tmp_path / "in.jsonl"
     valid, bad_lines = write_acceptance_input(inp, n=4000, n_bad=40)
+    s3.upload_file(str(inp), "acc2", "in.jsonl")  # the resumed orchestrator reads on with a ranged GET
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     # fake:20 = the fake engine with a 20 ms step, so the run is long enough to kill mid-way
     procs = {f"w{i}": spawn_worker(redis_url, "fake:20", f"acc2-w{i}", env) for i in range(2)}
     procs["orch"] = spawn_bulk_worker(redis_url, env)
     try:
-        bulk_id = submit_bulk(str(inp), "s3://acc2/out", redis_url=redis_url, shard_lines=1500,
+        bulk_id = submit_bulk("s3://acc2/in.jsonl", "s3://acc2/out", redis_url=redis_url, shard_lines=1500,
                               max_outstanding=300, s3_endpoint_url=moto_url)
         key = bulk_keys.bulk_hash(bulk_id)
         deadline = time.time() + 120
