@@ -68,12 +68,20 @@ def _is_permanent(exc: Exception) -> bool:
 
 
 def _is_transient(exc: Exception) -> bool:
-    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, ReadTimeoutError
+    from botocore.exceptions import (
+        ClientError,
+        ConnectionError,
+        HTTPClientError,
+        IncompleteReadError,
+        ReadTimeoutError,
+    )
+    from urllib3.exceptions import HTTPError as Urllib3Error
 
     if isinstance(exc, ClientError):
         code = _error_code(exc)
         return code in {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "500", "502", "503", "504"}
-    return isinstance(exc, (ConnectionError, HTTPClientError, ReadTimeoutError))
+    # a streamed GET body dropped mid-read (e.g. an input stream left idle while throttled)
+    return isinstance(exc, (ConnectionError, HTTPClientError, ReadTimeoutError, IncompleteReadError, Urllib3Error))
 
 
 class S3Storage:

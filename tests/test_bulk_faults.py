@@ -60,6 +60,7 @@ def test_transient_faults_are_retried_and_output_is_exact(redis_url, proxy, s3, 
         FaultRule("POST", r"^/flaky/out/manifest", query_re="uploadId", status=500, times=1),
         # the input stream
         FaultRule("GET", r"^/flaky/in.jsonl", status=500, times=1),
+        FaultRule("GET", r"^/flaky/in.jsonl", status="truncate", times=1, after_forward=True),
     ]
     bulk_id = submit_bulk("s3://flaky/in.jsonl", "s3://flaky/out", redis_url=redis_url, shard_lines=150,
                           max_outstanding=64)

@@ -57,7 +57,8 @@ def start_moto() -> tuple[subprocess.Popen, str]:
 
 
 class FaultRule:
-    """Fail matching requests: ``times`` of them, with ``status`` (e.g. 500, 403) or ``"timeout"``.
+    """Fail matching requests: ``times`` of them, with ``status`` (e.g. 500, 403), ``"timeout"``
+    or ``"truncate"`` (forward, then drop the connection half-way through the body).
 
     ``after_forward=True`` forwards the request first and then fails (lost response).
     """
@@ -102,7 +103,7 @@ class FaultProxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
-                if rule is not None:
+                if rule is not None and rule.status != "truncate":
                     return self._fault(rule)
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
@@ -110,6 +111,11 @@ class FaultProxy:
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
+                if rule is not None:  # "truncate": the connection drops half-way through the body
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
