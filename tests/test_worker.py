@@ -282,3 +282,14 @@ def test_bulk_jobs_go_to_the_sink_and_are_acked_only_when_durable(r, redis_url, 
     assert sink.closed
     assert r.xpending(keys.jobs_stream("normal"), "workers")["pending"] == 0
     assert r.xlen(keys.dead_letter_stream()) == 1  # the invalid bulk job also leaves a DLQ copy
+
+
+def test_settings_from_env_and_flags(monkeypatch):
+    monkeypatch.setenv("REDIS_URL", "redis://example:6380/3")
+    monkeypatch.setenv("PAGESTREAM_LANES", "low,high")
+    monkeypatch.setenv("PAGESTREAM_LEASE_MS", "1500")
+    s = WorkerSettings()
+    assert (s.redis_url, s.lanes, s.lease_ms) == ("redis://example:6380/3", ["high", "low"], 1500)
+    assert WorkerSettings(redis_url="redis://other", max_num_seqs=4).redis_url == "redis://other"
+    with pytest.raises(ValueError, match="lanes"):
+        WorkerSettings(lanes="urgent")

@@ -4,8 +4,10 @@ from __future__ import annotations
 import os
 import socket
 
+from typing import Annotated
+
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from producer import keys
 
@@ -25,7 +27,7 @@ class WorkerSettings(BaseSettings):
     device: str = "cpu"
     group: str = keys.DEFAULT_GROUP
     consumer: str = Field(default_factory=default_consumer_name)
-    lanes: list[str] = Field(default_factory=lambda: list(keys.LANES))
+    lanes: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(keys.LANES))  # env: high,normal
 
     # engine limits
     max_num_seqs: int = Field(8, ge=1)
