@@ -43,7 +43,7 @@ DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16]
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
-def make_paged(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
+def make_paged(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, device=None):
     """A NaN-poisoned paged cache holding random K/V for each context, behind shuffled block tables
     whose entries past each sequence's last block are garbage, and queries for the last q_lens tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -66,7 +66,7 @@ def make_paged(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, 
     q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32)
-    return [t.to(DEV) for t in (q, k_cache, v_cache, block_tables, cu, ctx)]
+    return [t.to(device or DEV) for t in (q, k_cache, v_cache, block_tables, cu, ctx)]
 
 
 def naive_attention(q, k_cache, v_cache, block_tables, cu, ctx):
@@ -96,10 +96,11 @@ def assert_close(out, ref, dtype):
 
 
 def test_reference_attention_matches_naive():
-    # fresh prefill, chunked prefill, a prefix-hit suffix, decode rows, GQA 4, block boundaries
+    # fresh prefill, chunked prefill, a prefix-hit suffix, decode rows, GQA 4, block boundaries;
+    # on the CPU, where the engine runs the references
     ctx_lens = [1, 16, 17, 40, 33, 70, 5]
     q_lens = [1, 16, 5, 1, 33, 20, 1]
-    q, kc, vc, bt, cu, ctx = make_paged(ctx_lens, q_lens, 8, 2, 32, 16, torch.float32, seed=0)
+    q, kc, vc, bt, cu, ctx = make_paged(ctx_lens, q_lens, 8, 2, 32, 16, torch.float32, seed=0, device="cpu")
     ref = naive_attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), cu.cpu(), ctx.cpu())
     out = R.paged_prefill_attention(q, kc, vc, bt, cu, ctx, 32 ** -0.5)
     torch.testing.assert_close(out.double().cpu(), ref, atol=1e-5, rtol=1e-5)
