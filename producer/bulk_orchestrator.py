@@ -218,16 +218,24 @@ class Orchestrator:
         self._finalize()
 
     def _validate(self) -> None:
+        """Fail fast, before a job is queued, on an unreadable input or an unwritable output.
+
+        Only permanent errors fail the bulk; a transient one (after botocore's retries)
+        propagates so RQ retries the job, which validates again."""
         try:
             storage, name = open_input(self.spec.input, self.storage_settings)
             storage.check_readable(name)
         except StorageError as exc:
+            if not exc.permanent:
+                raise
             raise BulkFailed(f"input {self.spec.input} is not readable: {exc}") from exc
         except ValueError as exc:
             raise BulkFailed(str(exc)) from exc
         try:
             open_storage(self.spec.output, self.storage_settings).check_writable()
         except StorageError as exc:
+            if not exc.permanent:
+                raise
             raise BulkFailed(f"output {self.spec.output} is not writable: {exc}") from exc
         except ValueError as exc:
             raise BulkFailed(str(exc)) from exc

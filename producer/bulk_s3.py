@@ -131,6 +131,8 @@ class S3Storage:
         try:
             self.client.head_object(Bucket=self.bucket, Key=self.key(name))
         except Exception as exc:
+            if _error_code(exc) in {"404", "NoSuchKey", "NoSuchBucket"}:
+                raise StorageError(f"{self.describe(name)} does not exist", permanent=True) from exc
             err = self._fail("read", name, exc)
             err.permanent = err.permanent or not _is_transient(exc)
             raise err from exc

@@ -399,3 +399,10 @@ def test_missing_input_fails_with_its_path(redis_url, tmp_path):
     rq_burst(redis_url)
     st = get_bulk(redis.Redis.from_url(redis_url, decode_responses=True), bulk_id)
     assert st["status"] == "failed" and f"input file {tmp_path / 'nope.jsonl'} does not exist" in st["error"]
+
+
+def test_missing_s3_input_fails_with_its_uri(redis_url, s3, bucket, tmp_path):
+    bulk_id = submit_bulk(f"s3://{bucket}/nope.jsonl", str(tmp_path / "out"), redis_url=redis_url)
+    rq_burst(redis_url)
+    st = get_bulk(redis.Redis.from_url(redis_url, decode_responses=True), bulk_id)
+    assert st["status"] == "failed" and f"s3://{bucket}/nope.jsonl does not exist" in st["error"], st
