@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import boto3
 import pytest
@@ -406,3 +407,31 @@ def test_missing_s3_input_fails_with_its_uri(redis_url, s3, bucket, tmp_path):
     rq_burst(redis_url)
     st = get_bulk(redis.Redis.from_url(redis_url, decode_responses=True), bulk_id)
     assert st["status"] == "failed" and f"s3://{bucket}/nope.jsonl does not exist" in st["error"], st
+
+
+def test_cancel_mid_run_keeps_finished_lines_exactly_once(redis_url, tmp_path, monkeypatch):
+    import producer.bulk_orchestrator as orch
+
+    monkeypatch.setattr(orch, "CANCEL_GRACE_S", 5.0)
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 2000)
+    out = tmp_path / "out"
+    bulk_id = submit_bulk(str(inp), str(out), redis_url=redis_url, max_outstanding=64)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+
+    def cancel_when_started():
+        while int(r.hget(bulk_keys.bulk_hash(bulk_id), "completed") or 0) < 100:
+            time.sleep(0.05)
+        cancel_bulk(r, bulk_id)
+
+    canceller = threading.Thread(target=cancel_when_started)
+    canceller.start()
+    st = run_bulk_with_standins(redis_url, bulk_id, n_workers=1, delay_s=0.02)
+    canceller.join()
+    assert st["status"] == "cancelled", st
+    manifest = json.loads((out / "manifest.json").read_text())
+    n = manifest["request_counts"]["completed"]
+    assert manifest["status"] == "cancelled" and 100 <= n < 2000
+    lines = read_jsonl((out / "output-00000.jsonl").read_bytes())
+    ids = [x["custom_id"] for x in lines]
+    assert len(ids) == len(set(ids)) == n
