@@ -225,3 +225,38 @@ def test_backpressure_1000_jobs_pel_bounded_and_late_worker_gets_fair_share(r, r
     after = [row[2] for row in rows if float(row[1]) > b_ready + 0.2]
     share_b = after.count(b"bp-b") / len(after)
     assert len(after) > 100 and 0.35 <= share_b <= 0.65, (len(after), share_b)
+
+
+def test_leases_are_kept_alive_while_jobs_run_longer_than_the_lease(r, redis_url, producer, workers):
+    # each job runs ~2 s on a 0.5 s lease: without refreshes the other worker would steal it
+    ids = producer.submit_many([{"prompt": f"long {i}", "max_tokens": 100, "seed": i} for i in range(12)])
+    ws = [workers(redis_url, "fake:20", f"lease-{k}", "--max-num-seqs", "4", "--lease-ms", "500") for k in range(2)]
+    for w in ws:
+        w.wait_ready(30)
+    results = [producer.result(j, timeout=60) for j in ids]
+    assert all(res.status == JobStatus.COMPLETED for res in results)
+    assert [res.deliveries for res in results] == [1] * len(ids)
+    assert {res.worker for res in results} == {"lease-0", "lease-1"}
+
+
+def test_cold_stop_on_second_sigterm_hands_jobs_back_and_they_resume(r, redis_url, producer, workers):
+    from worker.fake_engine import FakeEngine
+
+    specs = [{"prompt": f"cold {i}", "max_tokens": 150, "seed": i, "job_id": f"cold-{i}"} for i in range(6)]
+    producer.submit_many(specs)
+    wa = workers(redis_url, "fake:40", "cold-a", "--max-num-seqs", "8", "--drain-timeout", "60", "--lease-ms", "30000")
+    wa.wait_ready(30)
+    wait_for(lambda: all(r.xlen(keys.out_stream(s["job_id"])) >= 2 for s in specs), 30, "all jobs streaming")
+    t0 = time.monotonic()
+    wa.signal(signal.SIGTERM)
+    time.sleep(0.3)
+    wa.signal(signal.SIGTERM)
+    wa.proc.wait(20)
+    assert time.monotonic() - t0 < 5, "a cold stop must not wait for the 60 s drain"
+    assert "cold stop" in wa.log()
+    workers(redis_url, "fake:1", "cold-b", "--lease-ms", "30000")  # released entries: no lease wait
+    fake = FakeEngine()
+    for s in specs:
+        res = producer.result(s["job_id"], timeout=30)
+        assert res.status == JobStatus.COMPLETED and res.worker == "cold-b" and res.resumed_from > 0
+        assert res.text == fake.expected_text(s["prompt"], s["seed"], 150) == assert_contiguous(r, s["job_id"])
