@@ -1,9 +1,9 @@
 """Neox-style rotary embedding (rotate_half, as HF Llama/Qwen2) from a cos|sin cache, not in place.
 
 Products and the sum are rounded to the activation dtype in the same order as HF's
-`q * cos + rotate_half(q) * sin`. Under the interpreter that is bit-exact with HF in
-fp16; compiled for the H200 the bf16 results differ by about one ulp on many elements
-(relative error ~2e-3, BENCHMARKS.md), so GPU parity with HF is close, not exact.
+`q * cos + rotate_half(q) * sin`, and FP fusion is off for this kernel so the compiler
+keeps those roundings (with it on, sm_90 code fused them into bf16 fma and differed from
+HF by about one ulp on many elements: relative error ~2e-3 in BENCHMARKS.md's run).
 """
 from __future__ import annotations
 
@@ -89,5 +89,8 @@ def rotary_embedding(
             NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=next_pow2(num_kv_heads),
             HALF=head_dim // 2,
             num_warps=4 if num_heads * head_dim >= 2048 else 2,
+            # Without this the compiler fuses `round(x * cos) - round(x2 * sin)` into one
+            # bf16 fma (one rounding, not HF's two): off by an ulp from HF on many elements.
+            enable_fp_fusion=False,
         )
     return q_out, k_out
