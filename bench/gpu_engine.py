@@ -107,7 +107,7 @@ def parity(args, model_dir, device, res):
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
     n_new = 32
     llm = LLM(model_dir, device=device.type, dtype="bfloat16" if device.type == "cuda" else "float32",
-              gpu_memory_utilization=0.4, max_model_len=4096)
+              gpu_memory_utilization=0.4, max_model_len=4096, enforce_eager=args.enforce_eager)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True),
                         use_tqdm=False)
     agree = total = full_match = 0
@@ -174,7 +174,8 @@ def throughput(args, model_dir, device, res, ceil):
     out["floor_tok_s"] = total_tokens / out["floor_s"]
 
     llm = LLM(model_dir, device=device.type, dtype="bfloat16" if device.type == "cuda" else "float32",
-              gpu_memory_utilization=0.85, max_model_len=4096, max_num_seqs=max(256, n), max_num_batched_tokens=16384)
+              gpu_memory_utilization=0.85, max_model_len=4096, max_num_seqs=max(256, n), max_num_batched_tokens=16384,
+              enforce_eager=args.enforce_eager)
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[: min(8, n)], sampling_params=SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     if device.type == "cuda":
@@ -247,11 +248,12 @@ def main():
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     device = torch.device(args.device)
-    res = {"argv": sys.argv, "torch": torch.__version__}
+    res = {"argv": sys.argv, "torch": torch.__version__, "cuda_graphs": device.type == "cuda" and not args.enforce_eager}
     if device.type == "cuda":
         res["gpu"] = torch.cuda.get_device_name()
     t = time.perf_counter()

@@ -34,6 +34,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     load_format: str = "auto"  # "auto" | "dummy" (random weights at the model's real shapes)
     seed: int = 0
+    enforce_eager: bool = False  # on CUDA, decode steps replay captured CUDA graphs unless this is set
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # filled in __post_init__
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)

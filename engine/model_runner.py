@@ -62,6 +62,9 @@ class ModelRunner:
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
         self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_decode_graphs()
 
     # ---- sizing --------------------------------------------------------------
     @property
@@ -130,9 +133,58 @@ class ModelRunner:
     # ---- the step ---------------------------------------------------------------
     def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    # ---- CUDA graphs for decode ------------------------------------------------------
+    @torch.inference_mode()
+    def _capture_decode_graphs(self) -> None:
+        """Capture one decode forward per batch-size bucket; a step pads up to its bucket.
+
+        Padded rows store nothing (slot -1) and attend to one token of block 0;
+        their outputs are never read.
+        """
+        max_bs = min(self.config.max_num_seqs, 512)
+        sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs] if s <= max_bs})
+        max_blocks = -(-self.config.max_model_len // self.block_size)
+        dev = self.device
+        self.g_input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.g_positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.g_slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=dev)
+        self.g_context_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.g_block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
+        self.g_cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        pool = None
+        for bs in reversed(sizes):
+            meta = AttentionMetadata(
+                slot_mapping=self.g_slot_mapping[:bs], block_tables=self.g_block_tables[:bs],
+                context_lens=self.g_context_lens[:bs], cu_seqlens_q=self.g_cu_seqlens[: bs + 1],
+                max_seqlen_q=1, decode_only=True,
+            )
+            args = (self.g_input_ids[:bs], self.g_positions[:bs], meta, self.cos_sin_cache)
+            self.model(*args)  # warm-up: compiles the kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(*args)  # [bs, hidden]
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bs] = (graph, hidden)
+        self.graph_sizes = sizes
+        torch.cuda.synchronize(dev)
+        logger.info("captured decode CUDA graphs for batch sizes %s", sizes)
+
+    def _replay_decode(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        n = input_ids.shape[0]
+        bs = next(s for s in self.graph_sizes if s >= n)
+        width = meta.block_tables.shape[1]
+        self.g_input_ids[:n].copy_(input_ids)
+        self.g_positions[:n].copy_(positions)
+        self.g_slot_mapping[:n].copy_(meta.slot_mapping)
+        self.g_slot_mapping[n:bs].fill_(-1)
+        self.g_context_lens[:n].copy_(meta.context_lens)
+        self.g_context_lens[n:bs].fill_(1)
+        self.g_block_tables[:n, :width].copy_(meta.block_tables)
+        graph, hidden = self.graphs[bs]
+        graph.replay()
+        return hidden[:n]
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
         bs = self.block_size
@@ -174,7 +226,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run one forward pass; sample for the sequences that caught up."""
         input_ids, positions, meta, sample_rows, sample_seqs = self.prepare(sched)
-        hidden = self.model(input_ids, positions, meta, self.cos_sin_cache)  # [num_tokens, hidden]
+        if meta.decode_only and self.graphs and input_ids.shape[0] <= self.graph_sizes[-1]:
+            hidden = self._replay_decode(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta, self.cos_sin_cache)  # [num_tokens, hidden]
         if not sample_seqs:
             return [], None
         rows = self._tensor(sample_rows, torch.long)
