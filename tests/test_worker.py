@@ -293,3 +293,35 @@ def test_settings_from_env_and_flags(monkeypatch):
     assert WorkerSettings(redis_url="redis://other", max_num_seqs=4).redis_url == "redis://other"
     with pytest.raises(ValueError, match="lanes"):
         WorkerSettings(lanes="urgent")
+
+
+class _PoisonedEngine(FakeEngine):
+    """Its step blows up whenever a request with 'poison' in the prompt is running."""
+
+    def step(self):
+        if any(req.prompt_token_ids == self.tokenizer.encode("poison pill") for req in {**self._running, **self._waiting}.values()):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+        return super().step()
+
+
+def test_job_that_breaks_the_engine_step_is_dead_lettered_and_others_complete(r, redis_url, producer):
+    engine = _PoisonedEngine(FakeConfig(max_num_seqs=1))
+    w = make_worker(r, redis_url, engine=engine, max_num_seqs=1, prefetch=0, lease_ms=200, max_deliveries=3)
+    w._sleep = lambda s: None  # no backoff sleeps in the test
+    before = [producer.submit(prompt=f"fine {i}", max_tokens=3, seed=i) for i in range(2)]
+    poison = producer.submit(prompt="poison pill", max_tokens=3)
+    after = [producer.submit(prompt=f"fine {i}", max_tokens=3, seed=i) for i in range(2, 4)]
+    import threading
+
+    t = threading.Thread(target=w.run)
+    t.start()
+    try:
+        res = producer.result(poison, timeout=20)
+        assert res.status == JobStatus.FAILED and "max_deliveries=3" in res.error
+        for j in before + after:
+            assert producer.result(j, timeout=20).status == JobStatus.COMPLETED
+    finally:
+        w.request_stop()
+        t.join(20)
+    (_, fields), = r.xrange(keys.dead_letter_stream())
+    assert json.loads(fields[b"meta"])["job_id"] == poison

@@ -42,6 +42,7 @@ class Start:
     worker: str
     started_at: float
     deliveries: int
+    result_ttl_s: int = 24 * 3600
 
 
 @dataclass(slots=True)
@@ -189,10 +190,10 @@ class Publisher:
         now_s = int(time.time())
         for op in b.ops:
             if isinstance(op, Start):
-                pipe.hset(
-                    keys.job_hash(op.job_id),
-                    mapping={"status": "running", "worker": op.worker, "started_at": repr(op.started_at), "deliveries": op.deliveries},
-                )
+                jh = keys.job_hash(op.job_id)
+                pipe.hset(jh, mapping={"status": "running", "worker": op.worker, "started_at": repr(op.started_at), "deliveries": op.deliveries})
+                # a job that never finishes (every worker dies, nobody reclaims) does not leak its keys
+                pipe.expire(jh, op.result_ttl_s)
             elif isinstance(op, Final):
                 r = op.result
                 if op.write_result:

@@ -365,7 +365,7 @@ class Worker:
             self._active[j.job_id] = a
             n -= 1
             if not a.is_bulk:
-                ops.append(Start(j.job_id, self.name, a.started_at, a.delivery.deliveries))
+                ops.append(Start(j.job_id, self.name, a.started_at, a.delivery.deliveries, j.result_ttl_s))
         self.publisher.put(ops)
 
     # -- results --------------------------------------------------------------------------------
@@ -621,7 +621,8 @@ class Worker:
                 log.exception("abort_request(%s) failed", a.job_id)
         self._active.clear()
         self.publisher.flush(timeout=5.0)
-        self._release([a.delivery for a in unfinished if not a.is_bulk])
+        # these deliveries count: a job that keeps breaking the step ends in the DLQ
+        self._release([a.delivery for a in unfinished if not a.is_bulk], count_delivery=True)
         self._release_buffer()
 
     def _release_buffer(self) -> None:
@@ -629,13 +630,18 @@ class Worker:
         self._buffer.clear()
         self._release(released)
 
-    def _release(self, deliveries: list[Delivery]) -> None:
-        """Hand entries back: mark them idle past the lease so any worker reclaims them at once."""
+    def _release(self, deliveries: list[Delivery], count_delivery: bool = False) -> None:
+        """Hand entries back: mark them idle past the lease so any worker reclaims them at once.
+
+        A stop is not the job's fault, so by default the delivery is not counted toward
+        ``max_deliveries`` (the reclaim will count the next one).
+        """
         for d in deliveries:
             try:
                 self.redis.xclaim(
                     keys.jobs_stream(d.lane), self.settings.group, self.name, 0, [d.entry_id],
-                    idle=self.settings.lease_ms + 1, retrycount=max(0, d.deliveries - 1), justid=True,
+                    idle=self.settings.lease_ms + 1,
+                    retrycount=d.deliveries if count_delivery else max(0, d.deliveries - 1), justid=True,
                 )
             except redis.RedisError as exc:
                 log.warning("could not release %s: %s", d.entry_id, exc)
