@@ -76,3 +76,18 @@ def test_producer_commands_do_not_import_torch_or_the_engine(redis_url):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_demo_starts_an_embedded_redis_when_none_answers(monkeypatch):
+    import worker.demo as demo
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    real = demo._answers
+    monkeypatch.setattr(demo, "_answers", lambda url: False if url == "redis://localhost:6379/0" else real(url))
+    url, embedded = demo.ensure_redis()
+    try:
+        assert embedded is not None and url != "redis://localhost:6379/0"
+        assert redis.Redis.from_url(url).ping()
+    finally:
+        demo._stop(embedded)
+    assert not real(url)
