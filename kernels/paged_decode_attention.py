@@ -11,6 +11,8 @@ on tensor shapes, so the launch can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -119,6 +121,7 @@ def _paged_decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4

@@ -34,7 +34,7 @@ def _rms_norm_kernel(
 
 
 def rms_norm(
-    x: torch.Tensor,  # [num_tokens, hidden]
+    x: torch.Tensor,  # [num_tokens, hidden] (or [..., hidden])
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
@@ -42,6 +42,17 @@ def rms_norm(
     out: torch.Tensor | None = None,  # [num_tokens, hidden]
     residual_out: torch.Tensor | None = None,  # [num_tokens, hidden]; may be `residual` itself
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() > 2:  # [..., hidden]: run on the flattened rows
+        lead, hidden = x.shape[:-1], x.shape[-1]
+        res = rms_norm(
+            x.reshape(-1, hidden), weight, eps,
+            None if residual is None else residual.reshape(-1, hidden),
+            out=None if out is None else out.view(-1, hidden),
+            residual_out=None if residual_out is None else residual_out.view(-1, hidden),
+        )
+        if residual is None:
+            return res.view(*lead, hidden)
+        return res[0].view(*lead, hidden), res[1].view(*lead, hidden)
     check_tensor("x", x, 2)
     check_tensor("weight", weight, 1)
     check_last_dim_contiguous("x", x)

@@ -162,6 +162,21 @@ def test_paged_decode_attention(ratio, head_dim, block_size, dtype, num_splits):
     assert_close(out, ref, dtype)
 
 
+def test_padding_rows_with_empty_context_give_zeros():
+    # CUDA-graph batches are padded with rows of context_len 0 (and garbage block tables)
+    q, kc, vc, bt, cu, ctx = make_paged([40, 7], [1, 1], 8, 2, 64, 16, torch.float32, seed=5)
+    ctx = torch.tensor([40, 0], dtype=torch.int32, device=DEV)
+    for splits in (1, 2):
+        out = torch.full_like(q, float("nan"))
+        kernels.paged_decode_attention(q, kc, vc, bt, ctx, 0.125, out=out, num_splits=splits)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        assert_close(out[:1], R.paged_decode_attention(q[:1], kc, vc, bt[:1], ctx[:1], 0.125), torch.float32)
+    out = torch.full_like(q, float("nan"))
+    cu = torch.tensor([0, 1, 1], dtype=torch.int32, device=DEV)  # the padding row has no queries
+    kernels.paged_prefill_attention(q, kc, vc, bt, cu, ctx, 0.125, out=out)
+    assert_close(out[:1], R.paged_decode_attention(q[:1], kc, vc, bt[:1], ctx[:1], 0.125), torch.float32)
+
+
 # (GQA ratio, head_dim, block_size, dtype, tile overrides)
 PREFILL_CASES = [
     (1, 64, 16, torch.float32, {}),
@@ -229,6 +244,9 @@ def test_rms_norm(dtype, hidden):
     ref, ref_res = R.rms_norm(x, w, 1e-5, r)
     assert_close(out, ref, dtype)
     assert torch.equal(res, ref_res)
+    # [batch, seq, hidden] is flattened to rows
+    out3, res3 = kernels.rms_norm(x.view(3, 3, hidden), w, 1e-5, r.view(3, 3, hidden))
+    assert out3.shape == (3, 3, hidden) and torch.equal(out3.view(9, hidden), out) and torch.equal(res3.view(9, hidden), res)
     # in place on the residual stream, as the engine runs it
     r2 = r.clone()
     out2, res2 = kernels.rms_norm(x, w, 1e-5, r2, residual_out=r2)
