@@ -165,8 +165,11 @@ class Producer:
                 if left <= 0:
                     raise TimeoutError(f"job {job_id} not finished after {timeout} s (status {_s(st)})")
                 block_ms = max(1, min(block_ms, int(left * 1000)))
+            if last == "0-0":  # no need to read the tokens themselves: start at the newest entry
+                newest = self.redis.xrevrange(out_key, count=1)
+                last = _s(newest[0][0]) if newest else "0-0"
             # Wake as soon as the worker writes anything to the job's stream; the end entry
-            # and the result are written in one transaction.
+            # and the result are written in one transaction (re-checked on the next turn).
             resp = self.redis.xread({out_key: last}, count=1000, block=block_ms)
             for _, entries in resp or []:
                 if entries:
@@ -278,6 +281,9 @@ class AsyncProducer:
                 if left <= 0:
                     raise TimeoutError(f"job {job_id} not finished after {timeout} s (status {_s(st)})")
                 block_ms = max(1, min(block_ms, int(left * 1000)))
+            if last == "0-0":
+                newest = await self.redis.xrevrange(out_key, count=1)
+                last = _s(newest[0][0]) if newest else "0-0"
             resp = await self.redis.xread({out_key: last}, count=1000, block=block_ms)
             for _, entries in resp or []:
                 if entries:
