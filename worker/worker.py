@@ -95,6 +95,8 @@ class Worker:
         self._control: threading.Thread | None = None
         self._next_reclaim = 0.0
         self._next_snapshot = 0.0
+        self._pull_paused_until = 0.0
+        self._pull_backoff = 0.1
         self.num_steps = 0
         self.num_completed = 0
         self.queue_time_s = 0.0  # loop time spent outside engine.step (what the queue costs)
@@ -172,8 +174,20 @@ class Worker:
     def _iteration(self, block: bool) -> bool:
         t0 = time.perf_counter()
         self._handle_control_events()
-        self._poll_sink()
-        pulled = self._pull(block=block and not self._busy())
+        pulled = 0
+        if time.monotonic() >= self._pull_paused_until:
+            try:
+                self._poll_sink()
+                pulled = self._pull(block=block and not self._busy())
+                self._pull_backoff = 0.1
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if not self._busy():
+                    raise  # nothing to step: the run loop backs off
+                # Keep stepping the jobs we have (the publisher thread retries their writes);
+                # try pulling again after a backoff.
+                log.warning("redis unavailable while pulling (%s); stepping on, next pull in %.1fs", exc, self._pull_backoff)
+                self._pull_paused_until = time.monotonic() + self._pull_backoff
+                self._pull_backoff = min(self._pull_backoff * 2, 10.0)
         self._admit()
         did_step = False
         if self.engine.has_unfinished_requests():
@@ -245,7 +259,14 @@ class Worker:
                 continue
             ready.append(ActiveJob(d, job))
         if ready:
-            ops.extend(self._check_state(ready))
+            try:
+                ops.extend(self._check_state(ready))
+            except redis.RedisError:
+                # Not started: stop holding them, so their leases lapse and they are reclaimed.
+                with self._lock:
+                    self._held.difference_update((a.delivery.lane, a.delivery.entry_id) for a in ready)
+                self.publisher.put(ops)
+                raise
         self.publisher.put(ops)
 
     def _parse(self, d: Delivery) -> JobRequest:
