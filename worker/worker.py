@@ -265,6 +265,8 @@ class Worker:
                 # Not started: stop holding them, so their leases lapse and they are reclaimed.
                 with self._lock:
                     self._held.difference_update((a.delivery.lane, a.delivery.entry_id) for a in ready)
+                ids = {id(a) for a in ready}
+                self._buffer = deque(a for a in self._buffer if id(a) not in ids)
                 self.publisher.put(ops)
                 raise
         self.publisher.put(ops)
