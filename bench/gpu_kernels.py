@@ -166,7 +166,6 @@ def copy_rate_gbps() -> float:
     src = torch.randn(n, device=DEV, dtype=BF16)
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src))
-    del src, dst
     return 2 * n * 2 / (ms * 1e-3) / 1e9
 
 
@@ -240,7 +239,6 @@ def sweep_decode(setup: DecodeSetup):
 
 def prefill_inputs(batch, seqlen, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, q_len=None):
     q_len = q_len or seqlen
-    n = batch * seqlen
     k = torch.randn(batch, seqlen, num_kv_heads, head_dim, device=DEV, dtype=BF16)
     v = torch.randn_like(k)
     nb = seqlen // block_size
@@ -282,7 +280,6 @@ def time_prefill(shapes, **kw):
                      "ratio": tf / tf_sdpa, "rel_err_vs_sdpa": err})
         print(f"prefill {batch}x{seqlen}: ours {ms:.3f} ms {tf:6.1f} TFLOP/s | flash SDPA {sdpa_ms:.3f} ms {tf_sdpa:6.1f} "
               f"TFLOP/s | ratio {tf / tf_sdpa:.2f} | rel_err vs SDPA {err:.1e}", flush=True)
-        del q, k, v, kc, vc, qs, ks, vs
     return rows
 
 

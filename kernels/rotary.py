@@ -11,7 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import INDEX_DTYPES, check_head_dim, check_last_dim_contiguous, check_out, check_same_device, check_tensor, next_pow2
+from kernels._checks import (
+    INDEX_DTYPES,
+    check_head_dim,
+    check_last_dim_contiguous,
+    check_out,
+    check_same_device,
+    check_tensor,
+    next_pow2,
+)
 
 
 @triton.jit
