@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import sys
-import time
 from typing import Optional
 
 import typer

@@ -12,58 +12,24 @@ for other workers), the second is cold.
 """
 from __future__ import annotations
 
-import json
 import logging
-import re
 import signal
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from pydantic import ValidationError
 
 from producer import keys
-from producer.schema import JOB_ID_PATTERN, format_validation_error, JobRequest, JobResult, JobStatus, OutputTarget, SampleResult
-from producer.wire import EventDeduper, JOB_FIELD, decode_out_entry
+from producer.schema import JobRequest, JobResult, JobStatus, SampleResult
 from worker.consumer import Consumer, Delivery
+from worker.control import ControlThread
+from worker.jobs import ActiveJob, InvalidJob, NoAckPipe, SampleOutput, load_history, parse_delivery, salvage
 from worker.publisher import Ack, Delta, Final, Publisher, Start
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
-
-_JOB_ID_RE = re.compile(JOB_ID_PATTERN)
-
-
-@dataclass
-class _Sample:
-    token_ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class ActiveJob:
-    delivery: Delivery
-    job: JobRequest
-    params: Any = None  # engine SamplingParams
-    resume: list[int] | None = None
-    samples: dict[int, _Sample] = field(default_factory=dict)
-    started_at: float = 0.0
-    prompt_tokens: int = 0
-    # copied out of the job: read for every delta of every step
-    job_id: str = field(init=False)
-    is_bulk: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.job_id = self.job.job_id
-        self.is_bulk = self.job.output.kind == "bulk"
-
-
-class InvalidJob(Exception):
-    """A job that can never run (bad payload, bad params, prompt too long...)."""
 
 
 class Worker:
@@ -245,7 +211,7 @@ class Worker:
                 ops.append(Ack(d.lane, [d.entry_id]))
                 continue
             try:
-                job = self._parse(d)
+                job = parse_delivery(d)
             except InvalidJob as exc:
                 ops.extend(self._reject(d, str(exc)))
                 continue
@@ -271,32 +237,16 @@ class Worker:
                 raise
         self.publisher.put(ops)
 
-    def _parse(self, d: Delivery) -> JobRequest:
-        raw = d.fields.get(JOB_FIELD.encode()) if d.fields else None
-        if raw is None:
-            raise InvalidJob(f"entry has no {JOB_FIELD!r} field (fields: {sorted(k.decode('utf-8', 'replace') for k in d.fields or {})})")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InvalidJob(f"job payload is not valid UTF-8: {exc}") from None
-        try:
-            job = JobRequest.model_validate_json(text)
-        except ValidationError as exc:
-            raise InvalidJob("invalid job: " + format_validation_error(exc)) from None
-        if job.lane.value != d.lane:
-            raise InvalidJob(f"job says lane {job.lane.value!r} but was queued on lane {d.lane!r}")
-        return job
-
     def _reject(self, d: Delivery, reason: str, job: JobRequest | None = None) -> list[object]:
         """An invalid or poison entry: failed result (if it names a job), copy to the DLQ, ack."""
         log.info("dead-lettering %s/%s: %s", d.lane, d.entry_id, reason)
-        job_id, output, ttl, meta = _salvage(d, job)
+        job_id, output, ttl, meta = salvage(d, job)
         result = JobResult(job_id=job_id or "?", status=JobStatus.FAILED, error=reason, worker=self.name, deliveries=d.deliveries, metadata=meta)
         if output is not None and output.kind == "bulk":
             stub = job or JobRequest.model_construct(job_id=job_id or f"entry-{d.entry_id}", output=output, metadata=meta)
             if self._to_sink(d, stub, result):
                 # the sink acks it once durable; the DLQ still gets a copy
-                self.consumer.dead_letter(d, reason, job_id, pipeline=_NoAckPipe(self.redis))
+                self.consumer.dead_letter(d, reason, job_id, pipeline=NoAckPipe(self.redis))
                 return []
         return [Final(result, ttl, (d.lane, d.entry_id), dead_letter=d, write_result=job_id is not None)]
 
@@ -331,29 +281,8 @@ class Worker:
                 resume_from.append(a)
             self._buffer.append(a)
         if resume_from:
-            self._load_history(resume_from)
+            load_history(self.redis, resume_from)
         return ops
-
-    def _load_history(self, jobs: list[ActiveJob]) -> None:
-        """Tokens an earlier delivery already published: the job continues after them."""
-        pipe = self.redis.pipeline(transaction=False)
-        for a in jobs:
-            pipe.xrange(keys.out_stream(a.job_id))
-        for a, entries in zip(jobs, pipe.execute()):
-            dedup = EventDeduper()
-            for _, fields in entries:
-                ev = decode_out_entry(a.job_id, fields)
-                if isinstance(ev, str) or not dedup.accept(ev):
-                    continue
-                s = a.samples.setdefault(ev.sample, _Sample())
-                s.token_ids.extend(ev.token_ids)
-                s.text.append(ev.text)
-            if a.job.sampling.n == 1 and a.samples.get(0) and a.samples[0].token_ids:
-                a.resume = list(a.samples[0].token_ids)
-            else:
-                # n > 1: the engine resumes one sample only; start over, subscribers drop
-                # the indices they already saw (exact when seeded)
-                a.samples.clear()
 
     def _sampling_params(self, job: JobRequest) -> Any:
         from engine.sampling_params import SamplingParams
@@ -408,7 +337,7 @@ class Worker:
             for c in out.outputs:
                 s = samples.get(c.index)
                 if s is None:
-                    s = samples[c.index] = _Sample()
+                    s = samples[c.index] = SampleOutput()
                 ids, text, fin = c.token_ids, c.text, c.finish_reason
                 if not ids and not text and (fin is None or s.finish_reason is not None):
                     continue  # nothing new (or a sample that finished earlier, reported again)
@@ -539,57 +468,8 @@ class Worker:
             return
         self.consumer.ensure_groups()
         self.publisher.start()
-        self._control = threading.Thread(target=self._control_loop, name="pagestream-control", daemon=True)
+        self._control = ControlThread(self)
         self._control.start()
-
-    def _control_loop(self) -> None:
-        """Leases, cancellations, trimming and the worker's stats hash, off the loop's path."""
-        try:
-            last_cancel = self.redis.xinfo_stream(keys.cancel_stream())["last-generated-id"]
-        except redis.ResponseError:
-            last_cancel = b"0-0"
-        refresh_every = self.settings.lease_ms / 3000
-        next_refresh = next_trim = next_stats = 0.0
-        while not self._control_stop.is_set():
-            try:
-                resp = self.redis.xread({keys.cancel_stream(): last_cancel}, count=1000, block=int(min(refresh_every, 0.5) * 1000))
-                for _, entries in resp or []:
-                    for entry_id, fields in entries:
-                        last_cancel = entry_id
-                        job_id = fields.get(b"job_id")
-                        if job_id:
-                            with self._lock:
-                                self._cancel_requests.add(job_id.decode("utf-8", "replace"))
-                now = time.monotonic()
-                if now >= next_refresh:
-                    next_refresh = now + refresh_every
-                    with self._lock:
-                        held = list(self._held | self._sink_pending)
-                    by_lane: dict[str, list[str]] = {}
-                    for lane, eid in held:
-                        by_lane.setdefault(lane, []).append(eid)
-                    lost = self.consumer.refresh_leases(by_lane)
-                    if lost:
-                        with self._lock:
-                            self._lost.update(lost)
-                if now >= next_trim:
-                    next_trim = now + self.settings.trim_interval_s
-                    self.consumer.trim()
-                if now >= next_stats:
-                    next_stats = now + 1.0
-                    snap = dict(self._stats_snapshot)
-                    if snap:
-                        wk = keys.worker_hash(self.name)
-                        pipe = self.redis.pipeline(transaction=False)
-                        pipe.hset(wk, mapping={k: str(v) for k, v in snap.items()})
-                        pipe.expire(wk, 15)
-                        pipe.execute()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("control thread: redis unavailable (%s)", exc)
-                self._control_stop.wait(0.5)
-            except Exception:
-                log.exception("control thread error")
-                self._control_stop.wait(0.5)
 
     def _snapshot_stats(self) -> None:
         st = self.engine.stats()
@@ -712,39 +592,3 @@ class Worker:
     def _restore_signals(self) -> None:
         for sig, h in getattr(self, "_old_handlers", {}).items():
             signal.signal(sig, h)
-
-
-class _NoAckPipe:
-    """Lets ``Consumer.dead_letter`` copy to the DLQ without acking (bulk entries are acked by the sink)."""
-
-    def __init__(self, client: redis.Redis) -> None:
-        self._client = client
-
-    def xadd(self, *a: Any, **kw: Any) -> Any:
-        return self._client.xadd(*a, **kw)
-
-    def xack(self, *a: Any, **kw: Any) -> None:
-        return None
-
-
-def _salvage(d: Delivery, job: JobRequest | None) -> tuple[str | None, OutputTarget | None, int, dict]:
-    """Job id, output target, result TTL and metadata from a job, or best effort from a broken payload."""
-    if job is not None:
-        return job.job_id, job.output, job.result_ttl_s, job.metadata
-    try:
-        data = json.loads((d.fields or {}).get(JOB_FIELD.encode(), b"").decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        return None, None, 24 * 3600, {}
-    if not isinstance(data, dict):
-        return None, None, 24 * 3600, {}
-    job_id = data.get("job_id")
-    if not isinstance(job_id, str) or not _JOB_ID_RE.match(job_id):
-        job_id = None
-    try:
-        output = OutputTarget.model_validate(data.get("output") or {})
-    except ValueError:
-        output = None
-    ttl = data.get("result_ttl_s")
-    ttl = ttl if isinstance(ttl, int) and ttl > 0 else 24 * 3600
-    meta = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
-    return job_id, output, ttl, meta

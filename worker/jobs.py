@@ -1,0 +1,122 @@
+"""What a lane entry becomes inside a worker: parsing, salvage of broken entries, resume history."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from producer import keys
+from producer.schema import JOB_ID_PATTERN, JobRequest, OutputTarget, format_validation_error
+from producer.wire import JOB_FIELD, EventDeduper, decode_out_entry
+from worker.consumer import Delivery
+
+_JOB_ID_RE = re.compile(JOB_ID_PATTERN)
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class ActiveJob:
+    delivery: Delivery
+    job: JobRequest
+    params: Any = None  # engine SamplingParams
+    resume: list[int] | None = None
+    samples: dict[int, SampleOutput] = field(default_factory=dict)
+    started_at: float = 0.0
+    prompt_tokens: int = 0
+    # copied out of the job: read for every delta of every step
+    job_id: str = field(init=False)
+    is_bulk: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.job_id = self.job.job_id
+        self.is_bulk = self.job.output.kind == "bulk"
+
+
+class InvalidJob(Exception):
+    """A job that can never run (bad payload, bad params, prompt too long...)."""
+
+
+def parse_delivery(d: Delivery) -> JobRequest:
+    """The JobRequest in a lane entry; ``InvalidJob`` saying what is wrong otherwise."""
+    raw = d.fields.get(JOB_FIELD.encode()) if d.fields else None
+    if raw is None:
+        raise InvalidJob(f"entry has no {JOB_FIELD!r} field (fields: {sorted(k.decode('utf-8', 'replace') for k in d.fields or {})})")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidJob(f"job payload is not valid UTF-8: {exc}") from None
+    try:
+        job = JobRequest.model_validate_json(text)
+    except ValidationError as exc:
+        raise InvalidJob("invalid job: " + format_validation_error(exc)) from None
+    if job.lane.value != d.lane:
+        raise InvalidJob(f"job says lane {job.lane.value!r} but was queued on lane {d.lane!r}")
+    return job
+
+
+def load_history(client: redis.Redis, jobs: list[ActiveJob]) -> None:
+    """Tokens an earlier delivery already published: the job continues after them."""
+    pipe = client.pipeline(transaction=False)
+    for a in jobs:
+        pipe.xrange(keys.out_stream(a.job_id))
+    for a, entries in zip(jobs, pipe.execute()):
+        dedup = EventDeduper()
+        for _, fields in entries:
+            ev = decode_out_entry(a.job_id, fields)
+            if isinstance(ev, str) or not dedup.accept(ev):
+                continue
+            s = a.samples.setdefault(ev.sample, SampleOutput())
+            s.token_ids.extend(ev.token_ids)
+            s.text.append(ev.text)
+        if a.job.sampling.n == 1 and a.samples.get(0) and a.samples[0].token_ids:
+            a.resume = list(a.samples[0].token_ids)
+        else:
+            # n > 1: the engine resumes one sample only; start over, subscribers drop
+            # the indices they already saw (exact when seeded)
+            a.samples.clear()
+
+
+class NoAckPipe:
+    """Lets ``Consumer.dead_letter`` copy to the DLQ without acking (bulk entries are acked by the sink)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+
+    def xadd(self, *a: Any, **kw: Any) -> Any:
+        return self._client.xadd(*a, **kw)
+
+    def xack(self, *a: Any, **kw: Any) -> None:
+        return None
+
+
+def salvage(d: Delivery, job: JobRequest | None) -> tuple[str | None, OutputTarget | None, int, dict]:
+    """Job id, output target, result TTL and metadata from a job, or best effort from a broken payload."""
+    if job is not None:
+        return job.job_id, job.output, job.result_ttl_s, job.metadata
+    try:
+        data = json.loads((d.fields or {}).get(JOB_FIELD.encode(), b"").decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None, None, 24 * 3600, {}
+    if not isinstance(data, dict):
+        return None, None, 24 * 3600, {}
+    job_id = data.get("job_id")
+    if not isinstance(job_id, str) or not _JOB_ID_RE.match(job_id):
+        job_id = None
+    try:
+        output = OutputTarget.model_validate(data.get("output") or {})
+    except ValueError:
+        output = None
+    ttl = data.get("result_ttl_s")
+    ttl = ttl if isinstance(ttl, int) and ttl > 0 else 24 * 3600
+    meta = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
+    return job_id, output, ttl, meta
