@@ -325,3 +325,33 @@ def test_job_that_breaks_the_engine_step_is_dead_lettered_and_others_complete(r,
         t.join(20)
     (_, fields), = r.xrange(keys.dead_letter_stream())
     assert json.loads(fields[b"meta"])["job_id"] == poison
+
+
+def test_restart_under_the_same_name_recovers_its_own_pel_at_once(r, redis_url, producer):
+    ids = [producer.submit(prompt=f"own {i}", max_tokens=3, seed=i) for i in range(3)]
+    stream = keys.jobs_stream("normal")
+    r.xgroup_create(stream, "workers", id="0")
+    r.xreadgroup("workers", "w1", {stream: ">"}, count=3)  # a previous w1 read them and died
+    w = make_worker(r, redis_url, consumer="w1", lease_ms=600_000)  # a lease that would never expire here
+    w.run(burst=True)
+    for j in ids:
+        res = producer.result(j, timeout=2)
+        assert res.status == JobStatus.COMPLETED and res.deliveries == 2
+
+
+def test_worker_drops_a_job_whose_lease_another_consumer_took(r, redis_url, producer):
+    w = make_worker(r, redis_url, engine=FakeEngine(FakeConfig(max_num_seqs=2)), max_num_seqs=2, lease_ms=3000)
+    jid = producer.submit(prompt="contested", max_tokens=50, seed=1)
+    try:
+        w.run(max_steps=2)
+        assert w.engine.stats().num_running == 1
+        stream = keys.jobs_stream("normal")
+        (entry,) = r.xpending_range(stream, "workers", "-", "+", 10)
+        r.xclaim(stream, "workers", "thief", 0, [entry["message_id"]])  # a live thief: idle < lease below
+        wait_for(lambda: w._lost, 5, "the lease refresh to notice")
+        assert w.run(burst=True, max_steps=1) == 0  # dropped: nothing left to step
+        assert w.engine.stats().num_running == 0 and not w._active
+        assert r.xpending_range(stream, "workers", "-", "+", 10)[0]["consumer"] == b"thief"  # not taken back
+        assert producer.status(jid) == JobStatus.RUNNING  # the thief owns its outcome now
+    finally:
+        w.close()
