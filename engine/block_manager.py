@@ -117,6 +117,12 @@ class BlockManager:
         """Make seq's block table cover its computed tokens (plus the prefix hits
         in ``computed_blocks``) and ``num_new_tokens`` more. Returns False, changing
         nothing, when the pool is short of blocks."""
+        total = seq.num_computed_tokens + num_new_tokens
+        if not computed_blocks and len(seq.block_table) * self.block_size >= total:
+            # The common decode step: the token fits in a block seq already holds.
+            if self.enable_prefix_caching and total // self.block_size > self._seq_num_cached.get(seq.seq_id, 0):
+                self._cache_full_blocks(seq, total)
+            return True
         if self._num_blocks_to_allocate(seq, num_new_tokens, computed_blocks) > len(self._free):
             return False
         for block_id in computed_blocks:

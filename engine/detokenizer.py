@@ -3,6 +3,9 @@
 What a sample has emitted after k output tokens is a pure function of those k
 tokens: a request resumed from its published tokens on another worker carries
 on exactly where the text left off.
+
+Fast (Rust) tokenizers decode one token per call through ``tokenizers``'
+``DecodeStream``; others use the prefix/read-offset method.
 """
 from __future__ import annotations
 
@@ -22,22 +25,36 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self.stop_reason: str | None = None
+        self._stream = None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._backend = backend
+            self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def _new_text(self, token_id: int) -> str:
+        if self._stream is not None:
+            return self._stream.step(self._backend, token_id) or ""
+        prefix = self._decode(self.output_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.output_ids[self._prefix_offset :])
+        # An unfinished multi-byte character decodes to U+FFFD: wait for the rest.
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.output_ids)
+        return full[len(prefix) :]
 
     def add_token(self, token_id: int) -> bool:
         """Feed one output token. Returns True when a stop string ended the text."""
         self.output_ids.append(token_id)
         if self.tokenizer is None or self.stop_reason is not None:
             return False
-        prefix = self._decode(self.output_ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self.output_ids[self._prefix_offset :])
-        # An unfinished multi-byte character decodes to U+FFFD: wait for the rest.
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        new = self._new_text(token_id)
+        if not new:
             return False
-        new = full[len(prefix) :]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self.output_ids)
         before = len(self.text)
         self.text += new
         if self.stop_strs:
@@ -53,13 +70,12 @@ class IncrementalDetokenizer:
         return False
 
     def _flush(self) -> None:
-        """At the end, a trailing partial character is shown as U+FFFD, as a plain decode would."""
-        if self.tokenizer is None or self.stop_reason is not None or self._read_offset == len(self.output_ids):
+        """At the end, a trailing partial character shows as U+FFFD, as a plain decode would."""
+        if self.tokenizer is None or self.stop_reason is not None or not self.output_ids:
             return
-        prefix = self._decode(self.output_ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self.output_ids[self._prefix_offset :])
-        self.text += full[len(prefix) :]
-        self._prefix_offset = self._read_offset = len(self.output_ids)
+        full = self._decode(self.output_ids)
+        if len(full) > len(self.text) and full.startswith(self.text):
+            self.text = full
 
     def take_delta(self, finished: bool) -> str:
         """The text that may be shown now; all of it once the sample is finished."""

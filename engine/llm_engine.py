@@ -238,8 +238,9 @@ class LLMEngine:
             self._check_stop(seq, req.detoks[seq.sample_index], token)
             touched[req.request_id] = req
         for req in touched.values():
-            outputs.append(self._make_output(req))
-            if req.finished:
+            out = self._make_output(req)
+            outputs.append(out)
+            if out.finished:
                 del self._requests[req.request_id]
         return outputs
 
@@ -263,8 +264,8 @@ class LLMEngine:
         completions = []
         for i, (seq, detok) in enumerate(zip(req.seqs, req.detoks)):
             start = req.reported[i]
-            new_ids = seq.output_token_ids[start:]
-            req.reported[i] = seq.num_output_tokens
+            new_ids = seq.token_ids[seq.num_prompt_tokens + start :]
+            req.reported[i] = start + len(new_ids)
             lps, req.pending_logprobs[i] = req.pending_logprobs[i], []
             completions.append(
                 CompletionOutput(
@@ -278,10 +279,11 @@ class LLMEngine:
                     stop_reason=seq.stop_reason,
                 )
             )
-        metrics = {"arrival_time": req.arrival_time}
-        if req.first_token_time is not None:
-            metrics["time_to_first_token"] = req.first_token_time - req.arrival_time
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished, metrics=metrics)
+        finished = req.finished
+        metrics = {}
+        if finished and req.first_token_time is not None:
+            metrics = {"arrival_time": req.arrival_time, "time_to_first_token": req.first_token_time - req.arrival_time}
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, metrics=metrics)
 
     # ---- stats ----------------------------------------------------------------------
     def stats(self) -> EngineStats:

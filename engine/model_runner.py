@@ -199,10 +199,15 @@ class ModelRunner:
         max_q = 0
         for seq, n in sched.num_scheduled_tokens.items():
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
             table = seq.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:  # decode: the common case, kept cheap
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             cu_seqlens.append(cu_seqlens[-1] + n)
             context_lens.append(end)
             tables.append(table)

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import reference
 from engine.layers.attention import AttentionMetadata, PagedAttention, kernel_ops
 
 
@@ -21,7 +20,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return reference.rms_norm(x, self.weight, self.eps, residual)
+        return kernel_ops(x.device).rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
