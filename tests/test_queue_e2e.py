@@ -224,13 +224,13 @@ def test_backpressure_1000_jobs_pel_bounded_and_late_worker_gets_fair_share(r, r
     assert peak["bp-a"] <= 8 + 2 and peak["bp-b"] <= 8 + 2, peak
     after = [row[2] for row in rows if float(row[1]) > b_ready + 0.2]
     share_b = after.count(b"bp-b") / len(after)
-    assert len(after) > 100 and 0.35 <= share_b <= 0.65, (len(after), share_b)
+    assert len(after) > 100 and 0.3 <= share_b <= 0.7, (len(after), share_b)
 
 
 def test_leases_are_kept_alive_while_jobs_run_longer_than_the_lease(r, redis_url, producer, workers):
-    # each job runs ~2 s on a 0.5 s lease: without refreshes the other worker would steal it
-    ids = producer.submit_many([{"prompt": f"long {i}", "max_tokens": 100, "seed": i} for i in range(12)])
-    ws = [workers(redis_url, "fake:20", f"lease-{k}", "--max-num-seqs", "4", "--lease-ms", "500") for k in range(2)]
+    # each job runs ~3 s on a 1 s lease: without refreshes the other worker would steal it
+    ids = producer.submit_many([{"prompt": f"long {i}", "max_tokens": 150, "seed": i} for i in range(12)])
+    ws = [workers(redis_url, "fake:20", f"lease-{k}", "--max-num-seqs", "4", "--lease-ms", "1000") for k in range(2)]
     for w in ws:
         w.wait_ready(30)
     results = [producer.result(j, timeout=60) for j in ids]
