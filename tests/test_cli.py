@@ -91,3 +91,38 @@ def test_demo_starts_an_embedded_redis_when_none_answers(monkeypatch):
     finally:
         demo._stop(embedded)
     assert not real(url)
+
+
+def test_worker_serves_prometheus_metrics(redis_url, tmp_path):
+    import socket
+    import urllib.request
+
+    from producer import Producer
+    from tests.queue_helpers import wait_for
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    w = WorkerProc(redis_url, "fake", "metrics-w", "--metrics-port", str(port), log_dir=tmp_path)
+    try:
+        w.wait_ready(30)
+        with Producer.from_url(redis_url) as p:
+            ids = [p.submit(prompt=f"m {i}", max_tokens=4) for i in range(3)]
+            for j in ids:
+                p.result(j, timeout=10)
+        r = redis.Redis.from_url(redis_url)
+        r.xadd(keys.jobs_stream("normal"), {"job": b"garbage"})
+
+        def scrape() -> str:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+        def scraped_after_dead_letter() -> str | None:
+            text = scrape()
+            return text if "pagestream_dead_letters_total 1.0" in text else None
+
+        text = wait_for(scraped_after_dead_letter, 10, "the dead letter in the metrics")
+        assert 'pagestream_jobs_total{status="completed"} 3.0' in text
+        assert 'pagestream_jobs_total{status="failed"} 1.0' in text
+        assert "pagestream_engine_step_seconds_count" in text
+    finally:
+        assert w.stop() == 0

@@ -60,6 +60,7 @@ def worker(
     prefetch: Optional[int] = typer.Option(None, "--prefetch"),
     publish_interval_ms: Optional[float] = typer.Option(None, "--publish-interval-ms"),
     burst: bool = typer.Option(False, "--burst", help="exit when the queue is empty"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="PAGESTREAM_METRICS_PORT", help="serve Prometheus metrics on this port"),
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
     """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
@@ -79,6 +80,8 @@ def worker(
     engine = build_engine(settings)
     client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
     w = Worker(client, engine, settings)
+    if metrics_port:
+        w.metrics.serve(metrics_port)
     logging.getLogger("pagestream").info("worker %s ready on %s (lanes %s)", settings.consumer, settings.redis_url, settings.lanes)
     print(f"worker {settings.consumer} ready", flush=True)
     w.run(burst=burst)

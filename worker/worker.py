@@ -26,6 +26,7 @@ from producer.schema import JobRequest, JobResult, JobStatus, SampleResult
 from worker.consumer import Consumer, Delivery
 from worker.control import ControlThread
 from worker.jobs import ActiveJob, InvalidJob, NoAckPipe, SampleOutput, load_history, parse_delivery, salvage
+from worker.metrics import WorkerMetrics
 from worker.publisher import Ack, Delta, Final, Publisher, Start
 from worker.settings import WorkerSettings
 
@@ -39,6 +40,7 @@ class Worker:
         engine: Any,
         settings: WorkerSettings,
         sink: Any = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.redis = client
         self.engine = engine
@@ -61,6 +63,8 @@ class Worker:
         self._control: threading.Thread | None = None
         self._next_reclaim = 0.0
         self._next_snapshot = 0.0
+        self._tokens_seen = 0
+        self.metrics = metrics or WorkerMetrics()
         self._pull_paused_until = 0.0
         self._pull_backoff = 0.1
         self.num_steps = 0
@@ -162,11 +166,15 @@ class Worker:
             t2 = time.perf_counter()
             self.engine_time_s += t2 - t1
             self.num_steps += 1
+            self.metrics.steps.inc()
+            self.metrics.step_seconds.observe(t2 - t1)
             self._publish(outputs)
             did_step = True
-            self.queue_time_s += (t1 - t0) + (time.perf_counter() - t2)
+            dq = (t1 - t0) + (time.perf_counter() - t2)
         else:
-            self.queue_time_s += time.perf_counter() - t0
+            dq = time.perf_counter() - t0
+        self.queue_time_s += dq
+        self.metrics.queue_seconds.inc(dq)
         if time.monotonic() >= self._next_snapshot:
             self._next_snapshot = time.monotonic() + 0.5
             self._snapshot_stats()
@@ -240,6 +248,8 @@ class Worker:
     def _reject(self, d: Delivery, reason: str, job: JobRequest | None = None) -> list[object]:
         """An invalid or poison entry: failed result (if it names a job), copy to the DLQ, ack."""
         log.info("dead-lettering %s/%s: %s", d.lane, d.entry_id, reason)
+        self.metrics.dead_letters.inc()
+        self.metrics.jobs.labels(JobStatus.FAILED.value).inc()
         job_id, output, ttl, meta = salvage(d, job)
         result = JobResult(job_id=job_id or "?", status=JobStatus.FAILED, error=reason, worker=self.name, deliveries=d.deliveries, metadata=meta)
         if output is not None and output.kind == "bulk":
@@ -358,6 +368,7 @@ class Worker:
         self.publisher.put(ops)
 
     def _final(self, a: ActiveJob, status: JobStatus, error: str | None = None) -> object | None:
+        self.metrics.jobs.labels(status.value).inc()
         samples = [
             SampleResult(index=i, text="".join(s.text), token_ids=s.token_ids, finish_reason=s.finish_reason)
             for i, s in sorted(a.samples.items())
@@ -473,6 +484,12 @@ class Worker:
 
     def _snapshot_stats(self) -> None:
         st = self.engine.stats()
+        m = self.metrics
+        m.tokens.inc(max(0, st.num_generated_tokens - self._tokens_seen))
+        self._tokens_seen = st.num_generated_tokens
+        m.running.set(st.num_running + st.num_waiting)
+        m.held.set(len(self._held))
+        m.kv_usage.set(st.kv_usage)
         self._stats_snapshot = {
             "num_running": st.num_running,
             "num_waiting": st.num_waiting,
