@@ -355,3 +355,21 @@ def test_worker_drops_a_job_whose_lease_another_consumer_took(r, redis_url, prod
         assert producer.status(jid) == JobStatus.RUNNING  # the thief owns its outcome now
     finally:
         w.close()
+
+
+class _BuggyEngine(FakeEngine):
+    def add_request(self, request_id, prompt=None, *a, **kw):
+        if prompt == "trigger the bug":
+            raise KeyError("an engine bug, not a validation error")
+        return super().add_request(request_id, prompt, *a, **kw)
+
+
+def test_engine_bug_on_one_job_fails_that_job_only(r, redis_url, producer):
+    w = make_worker(r, redis_url, engine=_BuggyEngine(FakeConfig(max_num_seqs=4)), max_num_seqs=4)
+    bad = producer.submit(prompt="trigger the bug", max_tokens=3)
+    good = [producer.submit(prompt=f"ok {i}", max_tokens=3) for i in range(5)]
+    w.run(burst=True)
+    res = producer.result(bad, timeout=2)
+    assert res.status == JobStatus.FAILED and "KeyError" in res.error
+    assert all(producer.result(j, timeout=2).status == JobStatus.COMPLETED for j in good)
+    assert r.xpending(keys.jobs_stream("normal"), "workers")["pending"] == 0

@@ -284,7 +284,7 @@ class Worker:
                 continue
             try:
                 a.params = self._sampling_params(a.job)
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:
                 ops.extend(self._reject(a.delivery, f"invalid sampling parameters: {exc}", a.job))
                 continue
             if st == JobStatus.RUNNING and not a.is_bulk:
@@ -322,6 +322,10 @@ class Worker:
                     self.engine.add_request(j.job_id, prompt=j.prompt, **kw)
             except ValueError as exc:
                 ops.extend(self._reject(a.delivery, f"rejected by the engine: {exc}", j))
+                continue
+            except Exception as exc:  # an engine bug on this input: the job fails, the worker goes on
+                log.exception("add_request(%s) failed", j.job_id)
+                ops.extend(self._reject(a.delivery, f"the engine could not take this job: {type(exc).__name__}: {exc}", j))
                 continue
             a.started_at = time.time()
             self._active[j.job_id] = a
@@ -544,6 +548,12 @@ class Worker:
         # these deliveries count: a job that keeps breaking the step ends in the DLQ
         self._release([a.delivery for a in unfinished if not a.is_bulk], count_delivery=True)
         self._release_buffer()
+        # Whatever is still held now is in no job list (the failure hit between read and
+        # buffer): let it go too rather than keep its lease alive forever.
+        with self._lock:
+            leftover = list(self._held)
+        if leftover:
+            self._release([Delivery(lane, eid, None, 0) for lane, eid in leftover])  # 0: count unknown, left as is
 
     def _release_buffer(self) -> None:
         released = [a.delivery for a in self._buffer]
@@ -561,7 +571,8 @@ class Worker:
                 self.redis.xclaim(
                     keys.jobs_stream(d.lane), self.settings.group, self.name, 0, [d.entry_id],
                     idle=self.settings.lease_ms + 1,
-                    retrycount=d.deliveries if count_delivery else max(0, d.deliveries - 1), justid=True,
+                    retrycount=None if d.deliveries <= 0 else d.deliveries if count_delivery else d.deliveries - 1,
+                    justid=True,
                 )
             except redis.RedisError as exc:
                 log.warning("could not release %s: %s", d.entry_id, exc)
