@@ -9,6 +9,18 @@ import os
 
 import pytest
 
+# Without a GPU the Triton kernels run in the interpreter. It must be chosen before
+# anything imports triton (triton builds its own @jit helpers at first import).
+if "TRITON_INTERPRET" not in os.environ:
+    try:
+        import torch
+
+        _has_cuda = torch.cuda.is_available()
+    except ImportError:  # a producer-only install
+        _has_cuda = False
+    if not _has_cuda:
+        os.environ["TRITON_INTERPRET"] = "1"
+
 REDIS_HOST = os.environ.get("PAGESTREAM_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("PAGESTREAM_TEST_REDIS_PORT", "6379"))
 REDIS_DB = int(os.environ.get("PAGESTREAM_TEST_REDIS_DB", "9"))

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import torch
 
@@ -26,34 +24,19 @@ import kernels  # noqa: E402
 from kernels import reference as R  # noqa: E402
 
 if INTERPRET:
-    # triton's own tl.sum, tl.cdiv, ... are @jit functions built when triton is first
-    # imported; if that happened before TRITON_INTERPRET was set (another test module
-    # imported the engine first), the interpreter cannot run them in this process.
-    # Then one test reruns this file in a fresh process and the rest skip.
+    # tests/conftest.py sets TRITON_INTERPRET=1 before any test module can import
+    # triton; triton's own @jit helpers (tl.sum, ...) are built at its first import,
+    # so check that it really happened in interpreter mode.
     import triton.language.standard
     from triton.runtime.interpreter import InterpretedFunction
 
-    STALE_TRITON = not isinstance(triton.language.standard.sum, InterpretedFunction)
-else:
-    STALE_TRITON = False
+    assert isinstance(triton.language.standard.sum, InterpretedFunction), (
+        "triton was imported before TRITON_INTERPRET=1 was set; set it before importing triton"
+    )
 
 DEV = "cpu" if INTERPRET else "cuda"
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture(autouse=True)
-def _skip_if_stale_triton(request):
-    if STALE_TRITON and request.node.name != "test_kernels_in_fresh_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1; run by test_kernels_in_fresh_process")
-
-
-@pytest.mark.skipif(not STALE_TRITON, reason="triton runs in the interpreter in this process")
-def test_kernels_in_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
 def make_paged(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, device=None):
