@@ -53,8 +53,10 @@ class JobNotFound(KeyError):
 
 
 def build_request(request: JobRequest | dict | None = None, **fields: Any) -> JobRequest:
+    # Keywords left at None (submit's prompt=None, messages=None, job_id=None) were not given.
+    fields = {k: v for k, v in fields.items() if v is not None}
     if request is None:
-        return JobRequest(**{k: v for k, v in fields.items() if v is not None})
+        return JobRequest(**fields)
     if isinstance(request, dict):
         return JobRequest.model_validate({**request, **fields})
     if fields:

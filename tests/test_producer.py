@@ -126,3 +126,15 @@ def test_async_producer(redis_url):
         await p.aclose()
 
     asyncio.run(main())
+
+
+def test_submit_takes_a_jobrequest_or_a_dict_as_the_issue_documents(producer, r):
+    jid = producer.submit(JobRequest(prompt="from a model", job_id="req-1", max_tokens=4))
+    assert jid == "req-1" and producer.status("req-1") == JobStatus.QUEUED
+    assert producer.submit({"prompt": "from a dict", "max_tokens": 4}, job_id="req-2") == "req-2"
+    with r.pipeline(transaction=False) as pipe:
+        producer.submit(JobRequest(prompt="in a pipeline", job_id="req-3"), pipeline=pipe)
+        pipe.execute()
+    assert producer.status("req-3") == JobStatus.QUEUED
+    with pytest.raises(TypeError, match="not both"):
+        producer.submit(JobRequest(prompt="x"), prompt="y")
