@@ -41,34 +41,36 @@ def redis_benchmark_floor(url: str, n: int) -> dict[str, float]:
     u = urlparse(url)
     db = (u.path or "/0").lstrip("/") or "0"
     out = {}
+    stream = keys.bench_stream("floor")
     for label, args in {
         "c1_P1": ["-c", "1", "-P", "1"],
         "c1_P64": ["-c", "1", "-P", "64"],
         "c50_P16": ["-c", "50", "-P", "16"],
     }.items():
         cmd = ["redis-benchmark", "-h", u.hostname or "127.0.0.1", "-p", str(u.port or 6379), "--dbnum", db,
-               "-n", str(n), "-q", *args, "XADD", "ps:bench:floor", "*", "f", "v"]
+               "-n", str(n), "-q", *args, "XADD", stream, "*", "f", "v"]
         text = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
         m = re.findall(r"([\d.]+) requests per second", text)
         out[label] = float(m[-1]) if m else float("nan")
-        redis.Redis.from_url(url).delete("ps:bench:floor")
+        redis.Redis.from_url(url).delete(stream)
     return out
 
 
 def redis_py_floor(url: str, n: int) -> dict[str, float]:
     r = redis.Redis.from_url(url)
+    stream = keys.bench_stream("py")
     t = time.perf_counter()
     for _ in range(n // 10):
-        r.xadd("ps:bench:py", {"f": "v"})
+        r.xadd(stream, {"f": "v"})
     one = (n // 10) / (time.perf_counter() - t)
     t = time.perf_counter()
     for start in range(0, n, 64):
         pipe = r.pipeline(transaction=False)
         for _ in range(min(64, n - start)):
-            pipe.xadd("ps:bench:py", {"f": "v"})
+            pipe.xadd(stream, {"f": "v"})
         pipe.execute()
     piped = n / (time.perf_counter() - t)
-    r.delete("ps:bench:py")
+    r.delete(stream)
     return {"one_at_a_time": one, "pipelined_64": piped}
 
 

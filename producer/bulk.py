@@ -10,7 +10,7 @@ shards plus ``manifest.json``.
 >>> get_bulk(redis.Redis.from_url(url, decode_responses=True), bulk_id)["status"]
 'in_progress'
 
-Its bookkeeping lives in the status hash ``ps:bulk:{<id>}`` (see ``producer/bulk_keys.py``).
+Its bookkeeping lives in the status hash ``ps:bulk:{<id>}`` (see ``producer/keys.py``).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Any
 import redis
 from pydantic import BaseModel, Field
 
-from producer import bulk_keys
+from producer import keys
 from producer.schema import Lane
 
 #: the RQ queue bulk orchestration jobs go to (``rq worker pagestream-bulk -S rq.serializers.JSONSerializer``)
@@ -110,7 +110,7 @@ def enqueue_run(conn: redis.Redis, bulk_id: str, *, job_id: str | None = None, q
         meta={"bulk_id": bulk_id},
         description=f"pagestream bulk {bulk_id}",
     )
-    conn.hset(bulk_keys.bulk_hash(bulk_id), "rq_job_id", job.id)
+    conn.hset(keys.bulk_hash(bulk_id), "rq_job_id", job.id)
     return job.id
 
 
@@ -139,13 +139,13 @@ def create_bulk(
         shard_lines=shard_lines, max_outstanding=max_outstanding, completion_window_s=completion_window_s,
         s3_endpoint_url=s3_endpoint_url,
     )
-    key = bulk_keys.bulk_hash(spec.bulk_id)
+    key = keys.bulk_hash(spec.bulk_id)
     if not connection.hsetnx(key, "spec", spec.model_dump_json()):
         raise ValueError(f"bulk {spec.bulk_id} already exists")
     pipe = connection.pipeline()
     pipe.hset(key, mapping={"status": BulkStatus.VALIDATING.value, "created_at": repr(spec.created_at),
                             "line": 0, "offset": 0, "submitted": 0, "invalid": 0, "completed": 0, "failed": 0})
-    pipe.zadd(bulk_keys.bulk_index(), {spec.bulk_id: spec.created_at})
+    pipe.zadd(keys.bulk_index(), {spec.bulk_id: spec.created_at})
     pipe.execute()
     return spec.bulk_id
 
@@ -178,7 +178,7 @@ def submit_bulk(
 
 
 def load_spec(conn: redis.Redis, bulk_id: str) -> BulkSpec:
-    raw = conn.hget(bulk_keys.bulk_hash(bulk_id), "spec")
+    raw = conn.hget(keys.bulk_hash(bulk_id), "spec")
     if raw is None:
         raise KeyError(f"no bulk {bulk_id!r}")
     return BulkSpec.model_validate_json(_text(raw))
@@ -199,7 +199,7 @@ def request_counts(state: dict[str, Any]) -> dict[str, int]:
 
 def get_bulk(conn: redis.Redis, bulk_id: str) -> dict[str, Any]:
     """Status of a bulk as a JSON-able dict (OpenAI batch-like). Raises ``KeyError`` if unknown."""
-    state = {_text(k): _text(v) for k, v in conn.hgetall(bulk_keys.bulk_hash(bulk_id)).items()}
+    state = {_text(k): _text(v) for k, v in conn.hgetall(keys.bulk_hash(bulk_id)).items()}
     if not state or "spec" not in state:
         raise KeyError(f"no bulk {bulk_id!r}")
     spec = BulkSpec.model_validate_json(state["spec"])
@@ -228,7 +228,7 @@ def cancel_bulk(conn: redis.Redis, bulk_id: str, pipeline: redis.client.Pipeline
     """Ask the orchestrator to stop feeding and finalize what is done; returns the resulting status.
 
     With ``pipeline`` the write is queued there (the caller executes it)."""
-    key = bulk_keys.bulk_hash(bulk_id)
+    key = keys.bulk_hash(bulk_id)
     if not conn.exists(key):
         raise KeyError(f"no bulk {bulk_id!r}")
     status = BulkStatus(_text(conn.hget(key, "status")))
@@ -243,7 +243,7 @@ def cancel_bulk(conn: redis.Redis, bulk_id: str, pipeline: redis.client.Pipeline
 
 def bulk_is_live(conn: redis.Redis, bulk_id: str) -> bool:
     """False once a bulk is final or cancelling: a worker may skip (or drop results of) its queued jobs."""
-    status = conn.hget(bulk_keys.bulk_hash(bulk_id), "status")
+    status = conn.hget(keys.bulk_hash(bulk_id), "status")
     if status is None:
         return False
     st = BulkStatus(_text(status))
@@ -251,7 +251,7 @@ def bulk_is_live(conn: redis.Redis, bulk_id: str) -> bool:
 
 
 def list_bulks(conn: redis.Redis, limit: int = 100) -> list[str]:
-    return [_text(x) for x in conn.zrevrange(bulk_keys.bulk_index(), 0, limit - 1)]
+    return [_text(x) for x in conn.zrevrange(keys.bulk_index(), 0, limit - 1)]
 
 
 def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]:
@@ -266,11 +266,11 @@ def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]
     rescued = []
     rq_conn = None
     for bulk_id in list_bulks(conn, limit=1000):
-        key = bulk_keys.bulk_hash(bulk_id)
+        key = keys.bulk_hash(bulk_id)
         status, rq_job_id = conn.hmget(key, "status", "rq_job_id")
         if status is None or BulkStatus(_text(status)).is_final:
             continue
-        if conn.exists(bulk_keys.bulk_lock(bulk_id)):
+        if conn.exists(keys.bulk_lock(bulk_id)):
             continue  # an orchestrator holds the lease
         if rq_job_id:
             rq_conn = rq_conn or _rq_connection(conn)
@@ -282,7 +282,7 @@ def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]
                 continue
             if st == JobStatus.STARTED and time.time() - _heartbeat_at(conn, bulk_id) < LEASE_S:
                 continue  # just started, has not taken the lease yet
-        if not conn.set(bulk_keys.bulk_rescue_marker(bulk_id), "1", nx=True, ex=30):
+        if not conn.set(keys.bulk_rescue_marker(bulk_id), "1", nx=True, ex=30):
             continue
         n = conn.hincrby(key, "restarts", 1)
         if n > MAX_RESTARTS:
@@ -295,7 +295,7 @@ def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]
 
 
 def _heartbeat_at(conn: redis.Redis, bulk_id: str) -> float:
-    return float(_text(conn.hget(bulk_keys.bulk_hash(bulk_id), "heartbeat_at") or 0))
+    return float(_text(conn.hget(keys.bulk_hash(bulk_id), "heartbeat_at") or 0))
 
 
 def dumps_status(status: dict[str, Any]) -> str:

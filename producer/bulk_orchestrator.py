@@ -27,7 +27,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from producer import bulk_keys
+from producer import keys
 from producer.bulk import LEASE_S, BulkSpec, BulkStatus, load_spec, request_counts
 from producer.bulk_finalize import PARTS_PREFIX, compact, list_parts, manifest_header, remove_parts
 from producer.bulk_io import BadLine, BulkRequest, bad_line_entry, parse_line, request_id
@@ -96,8 +96,8 @@ class Orchestrator:
         self.conn = conn
         self.bulk_id = bulk_id
         self.rq_job = rq_job
-        self.key = bulk_keys.bulk_hash(bulk_id)
-        self.lock_key = bulk_keys.bulk_lock(bulk_id)
+        self.key = keys.bulk_hash(bulk_id)
+        self.lock_key = keys.bulk_lock(bulk_id)
         self.spec: BulkSpec = load_spec(conn, bulk_id)
         settings = storage_settings or StorageSettings()
         if self.spec.s3_endpoint_url:
@@ -204,8 +204,8 @@ class Orchestrator:
         log.error("bulk %s failed: %s", self.bulk_id, message)
         self._set_status(BulkStatus.FAILED, error=message, finished_at=repr(time.time()))
         self.conn.expire(self.key, STATUS_TTL_S)
-        self.conn.delete(bulk_keys.bulk_seen_hash(self.bulk_id), bulk_keys.bulk_done_set(self.bulk_id),
-                         bulk_keys.bulk_part_seq(self.bulk_id))
+        self.conn.delete(keys.bulk_seen_hash(self.bulk_id), keys.bulk_done_set(self.bulk_id),
+                         keys.bulk_part_seq(self.bulk_id))
 
     def _run_locked(self) -> None:
         if self.status() == BulkStatus.VALIDATING:
@@ -293,7 +293,7 @@ class Orchestrator:
             (bad if isinstance(item, BadLine) else parsed).append(item)
         if parsed:
             # First line to use a custom_id owns it; HSETNX keeps that across a resume.
-            seen_key = bulk_keys.bulk_seen_hash(self.bulk_id)
+            seen_key = keys.bulk_seen_hash(self.bulk_id)
             pipe = self.conn.pipeline(transaction=False)
             for req in parsed:
                 pipe.hsetnx(seen_key, req.custom_id, req.line)
@@ -415,8 +415,8 @@ class Orchestrator:
             "status": final.value, "finished_at": repr(time.time()), "manifest": out.describe("manifest.json"),
             "final_counts": json.dumps(counts)})
         pipe.hdel(self.key, "finalize_parts")
-        pipe.delete(bulk_keys.bulk_seen_hash(self.bulk_id), bulk_keys.bulk_done_set(self.bulk_id),
-                    bulk_keys.bulk_part_seq(self.bulk_id))
+        pipe.delete(keys.bulk_seen_hash(self.bulk_id), keys.bulk_done_set(self.bulk_id),
+                    keys.bulk_part_seq(self.bulk_id))
         pipe.expire(self.key, STATUS_TTL_S)
         pipe.execute()
         self._save_meta(force=True)

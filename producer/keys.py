@@ -2,7 +2,9 @@
 
 Keys that belong to one job share the hash tag ``{job_id}`` so all of a job's
 keys land in one slot on Redis Cluster. Lane streams and the dead-letter stream
-are shared by many jobs and carry no job tag.
+are shared by many jobs and carry no job tag. All keys of one bulk share the
+hash tag ``{bulk_id}`` so a bulk's bookkeeping lands in one slot and the bulk
+sink's Lua script may touch them together.
 """
 from __future__ import annotations
 
@@ -48,3 +50,44 @@ def done_counter(lane: str, epoch_s: int) -> str:
 def worker_hash(consumer: str) -> str:
     """A live worker's engine stats (running, free KV blocks...), refreshed every second, short TTL."""
     return f"{PREFIX}:worker:{consumer}"
+
+
+def bench_stream(name: str) -> str:
+    """Scratch stream ``bench/queue_overhead.py`` XADDs to for its Redis floor (deleted after each run)."""
+    return f"{PREFIX}:bench:{name}"
+
+
+# ---- bulk path (producer.bulk, producer.bulk_orchestrator, worker.bulk_sink) ----
+def bulk_hash(bulk_id: str) -> str:
+    """Status hash: status, spec, checkpoint (line, offset), request counts, error."""
+    return f"{PREFIX}:bulk:{{{bulk_id}}}"
+
+
+def bulk_done_set(bulk_id: str) -> str:
+    """custom_ids whose result is in a durable part file (counted exactly once)."""
+    return f"{PREFIX}:bulk:{{{bulk_id}}}:done"
+
+
+def bulk_seen_hash(bulk_id: str) -> str:
+    """custom_id -> input line that first used it (duplicate detection, resume-safe)."""
+    return f"{PREFIX}:bulk:{{{bulk_id}}}:seen"
+
+
+def bulk_lock(bulk_id: str) -> str:
+    """Lease of the one orchestrator running the bulk (a random token, PX expiry)."""
+    return f"{PREFIX}:bulk:{{{bulk_id}}}:lock"
+
+
+def bulk_rescue_marker(bulk_id: str) -> str:
+    """Short-lived marker so two bulk workers do not both re-enqueue a stalled bulk."""
+    return f"{PREFIX}:bulk:{{{bulk_id}}}:rescue"
+
+
+def bulk_part_seq(bulk_id: str) -> str:
+    """Counter for part file sequence numbers (unique across worker restarts)."""
+    return f"{PREFIX}:bulk:{{{bulk_id}}}:partseq"
+
+
+def bulk_index() -> str:
+    """Sorted set of all bulk ids by creation time."""
+    return f"{PREFIX}:bulks"

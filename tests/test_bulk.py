@@ -15,7 +15,7 @@ import boto3
 import pytest
 import redis
 
-from producer import bulk_keys
+from producer import keys
 from producer.bulk import BULK_QUEUE, bulk_queue, cancel_bulk, get_bulk, submit_bulk
 from producer.bulk_io import BadLine, BulkRequest, parse_line
 from producer.bulk_s3 import S3Storage
@@ -172,8 +172,8 @@ def test_bulk_s3_end_to_end_one_line_per_custom_id(redis_url, s3, bucket, tmp_pa
     assert st["status"] == "completed", st
     assert st["request_counts"] == {"total": 300, "completed": 288, "failed": 12}
 
-    keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="out/")["Contents"])
-    assert keys == ["out/errors-00000.jsonl", "out/manifest.json", "out/output-00000.jsonl",
+    names = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="out/")["Contents"])
+    assert names == ["out/errors-00000.jsonl", "out/manifest.json", "out/output-00000.jsonl",
                     "out/output-00001.jsonl", "out/output-00002.jsonl"]  # parts removed
     manifest = json.loads(s3.get_object(Bucket=bucket, Key="out/manifest.json")["Body"].read())
     assert manifest["request_counts"] == {"total": 300, "completed": 288, "failed": 12}
@@ -200,13 +200,11 @@ def test_bulk_s3_end_to_end_one_line_per_custom_id(redis_url, s3, bucket, tmp_pa
     assert job.get_status() == "finished" and job.meta["request_counts"]["completed"] == 288
     # bookkeeping sets are gone, the status hash stays (with a TTL)
     r = redis.Redis.from_url(redis_url)
-    assert not r.exists(bulk_keys.bulk_done_set(bulk_id), bulk_keys.bulk_seen_hash(bulk_id))
-    assert r.ttl(bulk_keys.bulk_hash(bulk_id)) > 0
+    assert not r.exists(keys.bulk_done_set(bulk_id), keys.bulk_seen_hash(bulk_id))
+    assert r.ttl(keys.bulk_hash(bulk_id)) > 0
     # each job's own hash is final and expires like any result
-    from producer import keys as ps_keys
-
-    assert r.hget(ps_keys.job_hash(f"{bulk_id}-L1"), "status") == b"completed"
-    assert r.ttl(ps_keys.job_hash(f"{bulk_id}-L1")) > 0
+    assert r.hget(keys.job_hash(f"{bulk_id}-L1"), "status") == b"completed"
+    assert r.ttl(keys.job_hash(f"{bulk_id}-L1")) > 0
 
 
 def test_bulk_local_dir_duplicates_and_engine_errors(redis_url, tmp_path):
@@ -236,7 +234,7 @@ def test_missing_bucket_fails_fast_with_clear_message(redis_url, s3, bucket, tmp
     assert st["status"] == "failed"
     assert "s3://no-such-bucket-here" in st["error"] and "NoSuchBucket" in st["error"]
     r = redis.Redis.from_url(redis_url, decode_responses=True)
-    assert r.xlen("ps:jobs:low") == 0  # nothing was queued
+    assert r.xlen(keys.jobs_stream("low")) == 0  # nothing was queued
 
 
 def test_cancel_finalizes_what_is_done(redis_url, tmp_path):
@@ -374,7 +372,7 @@ def test_sink_acks_only_durable_entries_and_drops_final_bulks(redis_url, tmp_pat
     r = redis.Redis.from_url(redis_url)  # bytes responses, like the worker's client
     out = tmp_path / "out"
     bulk_id = create_bulk(str(tmp_path / "in.jsonl"), str(out), connection=redis.Redis.from_url(redis_url, decode_responses=True))
-    r.hset(bulk_keys.bulk_hash(bulk_id), "status", "in_progress")
+    r.hset(keys.bulk_hash(bulk_id), "status", "in_progress")
     sink = BulkSink(r, "host/1", Settings())
 
     def add(i, custom_id=None):
@@ -389,8 +387,8 @@ def test_sink_acks_only_durable_entries_and_drops_final_bulks(redis_url, tmp_pat
     assert [p.name for p in (out / "parts").iterdir()] == ["host_1-000001.jsonl"]
     add(3)  # the same job again (re-delivered): written, acked, not counted twice
     assert sink.close() == [("low", "3-0")]
-    assert r.hget(bulk_keys.bulk_hash(bulk_id), "completed") == b"3"
-    r.hset(bulk_keys.bulk_hash(bulk_id), "status", "cancelled")
+    assert r.hget(keys.bulk_hash(bulk_id), "completed") == b"3"
+    r.hset(keys.bulk_hash(bulk_id), "status", "cancelled")
     add(4)
     assert sink.close() == [("low", "4-0")] and len(list((out / "parts").iterdir())) == 2  # dropped, not written
 
@@ -420,7 +418,7 @@ def test_cancel_mid_run_keeps_finished_lines_exactly_once(redis_url, tmp_path, m
     r = redis.Redis.from_url(redis_url, decode_responses=True)
 
     def cancel_when_started():
-        while int(r.hget(bulk_keys.bulk_hash(bulk_id), "completed") or 0) < 100:
+        while int(r.hget(keys.bulk_hash(bulk_id), "completed") or 0) < 100:
             time.sleep(0.05)
         cancel_bulk(r, bulk_id)
 

@@ -21,7 +21,7 @@ import boto3
 import pytest
 import redis
 
-from producer import bulk_keys
+from producer import keys
 from producer.bulk import get_bulk, submit_bulk
 from test_bulk import read_jsonl
 from test_bulk_support import AWS_ENV, start_moto
@@ -151,8 +151,8 @@ def test_acceptance_1000_lines_two_cpu_workers_tiny_model(redis_url, moto_url, t
     assert len(out) == 980 and sorted(x["custom_id"] for x in out) == sorted(valid)
     assert [e["error"]["line"] for e in err] == bad_lines
     assert all(e["error"]["code"] == "invalid_request" and e["error"]["message"] for e in err)
-    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="acc1", Prefix="out/")["Contents"]]
-    assert not [k for k in keys if "/parts/" in k]
+    names = [o["Key"] for o in s3.list_objects_v2(Bucket="acc1", Prefix="out/")["Contents"]]
+    assert not [k for k in names if "/parts/" in k]
 
     # greedy bodies equal LLM.generate / LLM.chat for the same requests
     from engine import LLM, SamplingParams
@@ -191,7 +191,7 @@ def test_acceptance_kill9_worker_and_orchestrator_real_workers(redis_url, moto_u
     try:
         bulk_id = submit_bulk("s3://acc2/in.jsonl", "s3://acc2/out", redis_url=redis_url, shard_lines=1500,
                               max_outstanding=300, s3_endpoint_url=moto_url)
-        key = bulk_keys.bulk_hash(bulk_id)
+        key = keys.bulk_hash(bulk_id)
         deadline = time.time() + 120
 
         def w0_flushed():
@@ -205,14 +205,14 @@ def test_acceptance_kill9_worker_and_orchestrator_real_workers(redis_url, moto_u
         for name in ("w0", "orch"):
             procs[name].send_signal(signal.SIGKILL)
             procs[name].wait()
-        assert r.xpending("ps:jobs:low", "workers")["pending"] > 0
+        assert r.xpending(keys.jobs_stream("low"), keys.DEFAULT_GROUP)["pending"] > 0
         procs["w2"] = spawn_worker(redis_url, "fake:20", "acc2-w2", env)
         procs["orch2"] = spawn_bulk_worker(redis_url, env)
         st = wait_final(r, bulk_id, 300)
     finally:
         stop_all(list(procs.values()))
     assert st["status"] == "completed", st
-    assert int(r.hget(bulk_keys.bulk_hash(bulk_id), "restarts")) >= 1
+    assert int(r.hget(keys.bulk_hash(bulk_id), "restarts")) >= 1
     manifest, out, err = read_s3_output(s3, "acc2", "out")
     assert manifest["request_counts"] == {"total": 4000, "completed": 3960, "failed": 40}
     ids = [x["custom_id"] for x in out]

@@ -7,6 +7,7 @@ import boto3
 import pytest
 import redis
 
+from producer import keys
 from producer.bulk import get_bulk, submit_bulk
 from test_bulk import read_jsonl, rq_burst, run_bulk_with_standins, write_input
 from test_bulk_support import AWS_ENV, FaultProxy, FaultRule, start_moto
@@ -88,7 +89,7 @@ def test_access_denied_on_output_fails_before_queueing(redis_url, proxy, s3, tmp
     rq_burst(redis_url)
     st = get_bulk(redis.Redis.from_url(redis_url, decode_responses=True), bulk_id)
     assert st["status"] == "failed" and "access denied to bucket 'denied'" in st["error"], st
-    assert redis.Redis.from_url(redis_url).xlen("ps:jobs:low") == 0
+    assert redis.Redis.from_url(redis_url).xlen(keys.jobs_stream("low")) == 0
     assert _keys(s3, "denied") == []
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from producer import bulk_keys
+from producer import keys
 from producer.bulk import get_bulk, submit_bulk
 from test_bulk import read_jsonl, write_input
 
@@ -53,7 +53,7 @@ def test_kill9_worker_and_orchestrator_then_resume(redis_url, tmp_path):
              "w1": spawn_standin(redis_url, "w1", env)}
     try:
         bulk_id = submit_bulk(str(inp), str(out), redis_url=redis_url, max_outstanding=300, shard_lines=1000)
-        key = bulk_keys.bulk_hash(bulk_id)
+        key = keys.bulk_hash(bulk_id)
         wait_for(lambda: (out / "parts").is_dir() and any(p.name.startswith("w0-") for p in (out / "parts").iterdir())
                  and int(r.hget(key, "line") or 0) > 0, 60, "w0 flushed a part")
         assert r.hget(key, "input_done") is None  # mid-run: the orchestrator is still feeding
@@ -61,7 +61,7 @@ def test_kill9_worker_and_orchestrator_then_resume(redis_url, tmp_path):
             procs[name].send_signal(signal.SIGKILL)
             procs[name].wait()
         killed_at_line = int(r.hget(key, "line"))
-        unacked = r.xpending("ps:jobs:low", "workers")["pending"]
+        unacked = r.xpending(keys.jobs_stream("low"), keys.DEFAULT_GROUP)["pending"]
         procs["orch2"] = spawn_bulk_worker(redis_url, env)
         procs["w2"] = spawn_standin(redis_url, "w2", env, delay_s=0.0)
         wait_for(lambda: get_bulk(r, bulk_id)["status"] in ("completed", "failed"), 180, "bulk final")
@@ -77,7 +77,7 @@ def test_kill9_worker_and_orchestrator_then_resume(redis_url, tmp_path):
                 p.kill()
     assert st["status"] == "completed", st
     assert 0 < killed_at_line < 3000 and unacked > 0
-    assert int(r.hget(bulk_keys.bulk_hash(bulk_id), "restarts")) >= 1  # the orchestrator was re-enqueued
+    assert int(r.hget(keys.bulk_hash(bulk_id), "restarts")) >= 1  # the orchestrator was re-enqueued
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["request_counts"] == {"total": 3000, "completed": 2970, "failed": 30}
     lines = []

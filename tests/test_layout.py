@@ -48,3 +48,30 @@ def test_a_producer_only_install_never_loads_torch():
 def test_the_engine_package_loads_no_queue_libraries():
     loaded = _modules_after("import engine, engine.llm_engine, engine.model_runner")
     assert "redis" not in loaded and "pydantic" not in loaded and "boto3" not in loaded, loaded
+
+
+KEY_MODULE = ROOT / "producer" / "keys.py"
+
+
+def _hand_built_keys(path):
+    """String literals that start a Redis key ("ps:..."), and f-strings built on a key prefix."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("ps:"):
+            yield node.lineno, repr(node.value)
+        elif isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.FormattedValue):
+            head = node.values[0].value
+            name = head.id if isinstance(head, ast.Name) else head.attr if isinstance(head, ast.Attribute) else ""
+            if name == "PREFIX":
+                yield node.lineno, "f-string on PREFIX"
+
+
+def test_redis_key_names_are_built_in_producer_keys_only():
+    assert not (ROOT / "producer" / "bulk_keys.py").exists()
+    bad = []
+    for package in ("producer", "worker", "bench"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path == KEY_MODULE:
+                continue
+            bad += [f"{path.relative_to(ROOT)}:{line} builds a key by hand: {what}" for line, what in _hand_built_keys(path)]
+    assert not bad, "\n".join(bad)

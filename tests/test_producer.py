@@ -138,3 +138,25 @@ def test_submit_takes_a_jobrequest_or_a_dict_as_the_issue_documents(producer, r)
     assert producer.status("req-3") == JobStatus.QUEUED
     with pytest.raises(TypeError, match="not both"):
         producer.submit(JobRequest(prompt="x"), prompt="y")
+
+
+def test_bulk_keys_live_in_producer_keys_with_one_hash_tag_per_bulk(redis_url):
+    """producer.keys names every key a bulk writes, with the key strings bulks already in Redis use."""
+    import importlib
+
+    from producer.bulk import cancel_bulk, create_bulk
+
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("producer.bulk_keys")
+    bid = "b-keys"
+    assert keys.bulk_hash(bid) == "ps:bulk:{b-keys}"
+    assert [keys.bulk_done_set(bid), keys.bulk_seen_hash(bid), keys.bulk_lock(bid), keys.bulk_rescue_marker(bid),
+            keys.bulk_part_seq(bid)] == [f"ps:bulk:{{b-keys}}:{s}" for s in ("done", "seen", "lock", "rescue", "partseq")]
+    assert keys.bulk_index() == "ps:bulks"
+    c = redis.Redis.from_url(redis_url, decode_responses=True)
+    create_bulk("in.jsonl", "out", connection=c, bulk_id=bid)
+    cancel_bulk(c, bid)
+    # everything create/cancel wrote is named by producer.keys
+    assert set(c.keys("*")) == {keys.bulk_hash(bid), keys.bulk_index()}
+    assert c.hget(keys.bulk_hash(bid), "status") == "cancelling"
+    assert c.zscore(keys.bulk_index(), bid) is not None

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from producer import bulk_keys, keys
+from producer import keys
 from producer.bulk import BulkSpec, BulkStatus
 from producer.bulk_io import PartEntry, line_of_job_id, result_entry
 from producer.bulk_storage import Storage, StorageError, StorageSettings, open_storage
@@ -132,7 +132,7 @@ class BulkSink:
 
     def _storage(self, bulk_id: str, uri: str | None) -> Storage:
         if uri is None:
-            raw = self.redis.hget(bulk_keys.bulk_hash(bulk_id), "spec")
+            raw = self.redis.hget(keys.bulk_hash(bulk_id), "spec")
             if raw is None:
                 raise StorageError(f"bulk {bulk_id} has no output URI", permanent=True)
             uri = BulkSpec.model_validate_json(_text(raw)).output
@@ -142,14 +142,14 @@ class BulkSink:
         return st
 
     def _flush(self, bulk_id: str, buf: _Buffer) -> list[tuple[str, str]]:
-        key = bulk_keys.bulk_hash(bulk_id)
+        key = keys.bulk_hash(bulk_id)
         entries = [(lane, entry_id) for lane, entry_id, _ in buf.items]
         status = self.redis.hget(key, "status")
         if status is None or BulkStatus(_text(status)).is_final:
             # The bulk is over (or gone): nobody will compact this line, so just let the job go.
             del self._buffers[bulk_id]
             return entries
-        seq = self.redis.incr(bulk_keys.bulk_part_seq(bulk_id))
+        seq = self.redis.incr(keys.bulk_part_seq(bulk_id))
         name = f"parts/{self.consumer}-{seq:06d}.jsonl"
         data = b"".join(entry.dumps() for _, _, entry in buf.items)
         try:
@@ -168,7 +168,7 @@ class BulkSink:
         args: list[str] = []
         for _, _, entry in buf.items:
             args += [entry.custom_id or "", "1" if entry.ok else "0"]
-        self._count(keys=[key, bulk_keys.bulk_done_set(bulk_id)], args=args)
+        self._count(keys=[key, keys.bulk_done_set(bulk_id)], args=args)
         # The submit left a job hash per bulk job; mark it final and let it expire like any result.
         pipe = self.redis.pipeline(transaction=False)
         for (job_id, ttl), (_, _, entry) in zip(buf.jobs, buf.items):
