@@ -33,14 +33,16 @@ def store_kvcache(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int32/int64, -1 = skip
 ) -> None:
-    block_size = k_cache.shape[1]
     slots = slot_mapping.to(torch.long)
     keep = slots >= 0
-    slots = slots[keep]
-    block_ids = slots // block_size
-    offsets = slots % block_size
-    k_cache[block_ids, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[block_ids, offsets] = value[keep].to(v_cache.dtype)
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    # One index_copy_ over the flattened slots: much cheaper on the CPU than a 2-D index_put_.
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        if cache.is_contiguous():
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, src.to(cache.dtype))
+        else:
+            cache[slots // cache.shape[1], slots % cache.shape[1]] = src.to(cache.dtype)
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -49,12 +51,6 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) 
     num_blocks = (num_tokens + block_size - 1) // block_size
     blocks = block_table[:num_blocks].to(torch.long)
     return cache[blocks].reshape(num_blocks * block_size, *cache.shape[2:])[:num_tokens]
-
-
-def _expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    # x: [..., kvh, seq, d]; query head h uses kv head h // (num_heads // kvh)
-    group = num_heads // x.shape[-3]
-    return x if group == 1 else x.repeat_interleave(group, dim=-3)
 
 
 def _check_gqa(num_heads: int, num_kv_heads: int) -> None:
@@ -83,16 +79,16 @@ def paged_decode_attention(
     v = v_cache[blocks].reshape(num_seqs, nb * block_size, num_kv_heads, head_dim)
     pos = torch.arange(nb * block_size, device=q.device)
     mask = pos[None, :] < context_lens.to(q.device, torch.long)[:, None]  # [S, T]
-    # Slots past a context may hold anything (NaN from torch.empty): a masked score
-    # still multiplies V, and NaN * 0 is NaN, so zero them.
-    k = torch.where(mask[:, :, None, None], k, 0)
-    v = torch.where(mask[:, :, None, None], v, 0)
-    k = _expand_kv_heads(k.transpose(1, 2).float(), num_heads)  # [S, H, T, d]
-    v = _expand_kv_heads(v.transpose(1, 2).float(), num_heads)
-    out = F.scaled_dot_product_attention(
-        q.float().unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale
-    )  # [S, H, 1, d]
-    return out.squeeze(2).to(q.dtype)
+    group = num_heads // num_kv_heads
+    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("skgd,stkd->skgt", qg, k.float()) * scale  # [S, kvh, group, T]
+    # Slots past a context may hold anything (NaN from torch.empty): the scores there
+    # are replaced outright, and V is zeroed, since a zero weight times NaN is NaN.
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    v = v.float().masked_fill(~mask[:, :, None, None], 0.0)
+    out = torch.einsum("skgt,stkd->skgd", probs, v)  # [S, kvh, group, d]
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def paged_prefill_attention(
@@ -120,12 +116,10 @@ def paged_prefill_attention(
             raise ValueError(f"sequence {i}: {q_len} queries but only {ctx_len} context tokens")
         k = _gather_kv(k_cache, block_tables[i], ctx_len).transpose(0, 1).float()  # [kvh, T, d]
         v = _gather_kv(v_cache, block_tables[i], ctx_len).transpose(0, 1).float()
-        k = _expand_kv_heads(k, num_heads)
-        v = _expand_kv_heads(v, num_heads)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
         mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, T]
         o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1).float(), k, v, attn_mask=mask, scale=scale
+            q[start:end].transpose(0, 1).float(), k, v, attn_mask=mask, scale=scale, enable_gqa=True
         )  # [H, q_len, d]
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out
