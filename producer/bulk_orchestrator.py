@@ -372,7 +372,8 @@ class Orchestrator:
             st = self.state()
             self._check_sink(st)
             self._save_meta()
-            done = int(st.get("completed", 0)) + int(st.get("failed", 0))
+            # "skipped": jobs a worker acked unrun because the bulk is cancelling (worker.bulk_gate)
+            done = int(st.get("completed", 0)) + int(st.get("failed", 0)) + int(st.get("skipped", 0))
             if done >= int(st.get("submitted", 0)) or st.get("finalize_parts"):
                 return
             if self._should_stop_feeding(st):

@@ -433,3 +433,43 @@ def test_cancel_mid_run_keeps_finished_lines_exactly_once(redis_url, tmp_path, m
     lines = read_jsonl((out / "output-00000.jsonl").read_bytes())
     ids = [x["custom_id"] for x in lines]
     assert len(ids) == len(set(ids)) == n
+
+
+def test_cancel_with_real_worker_skips_queued_jobs_and_finalizes_without_waiting_out_the_grace(redis_url, tmp_path, monkeypatch):
+    import producer.bulk_orchestrator as orch
+    from tests.queue_helpers import wait_for
+    from worker.fake_engine import FakeConfig, FakeEngine
+    from worker.settings import WorkerSettings
+    from worker.worker import Worker
+
+    monkeypatch.setattr(orch, "CANCEL_GRACE_S", 120.0)
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 60)
+    out = tmp_path / "out"
+    bulk_id = submit_bulk(str(inp), str(out), redis_url=redis_url, max_outstanding=100)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    engine = FakeEngine(FakeConfig(max_num_seqs=4))
+    w = Worker(redis.Redis.from_url(redis_url), engine, WorkerSettings(redis_url=redis_url, consumer="w1", lanes="low"))
+
+    def cancel_then_work():
+        # every line is queued before any worker runs; then the bulk is cancelled
+        wait_for(lambda: r.hget(keys.bulk_hash(bulk_id), "input_done") == "1", 60, "the input to be fed")
+        cancel_bulk(r, bulk_id)
+        w.run()
+
+    t = threading.Thread(target=cancel_then_work)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        rq_burst(redis_url)  # the orchestrator: feeds, sees the cancel, drains, finalizes
+    finally:
+        w.request_stop(cold=True)
+        t.join(30)
+    assert time.monotonic() - t0 < 60  # well inside the 120 s cancel grace
+    st = get_bulk(r, bulk_id)
+    assert st["status"] == "cancelled" and st["request_counts"]["completed"] == 0, st
+    assert engine.stats().num_generated_tokens == 0  # no engine time spent on the cancelled bulk
+    assert r.hget(keys.bulk_hash(bulk_id), "skipped") == "60"
+    assert r.xpending(keys.jobs_stream("low"), keys.DEFAULT_GROUP)["pending"] == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "cancelled"

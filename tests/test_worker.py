@@ -257,6 +257,7 @@ def test_bulk_jobs_go_to_the_sink_and_are_acked_only_when_durable(r, redis_url, 
     w = make_worker(r, redis_url)
     w._sink = sink
     out = {"kind": "bulk", "bulk_id": "b1", "custom_id": "c1"}
+    r.hset(keys.bulk_hash("b1"), "status", "in_progress")  # a live bulk (a worker skips jobs of others)
     ok = producer.submit(prompt="bulk one", max_tokens=3, seed=1, output=out)
     r.xadd(keys.jobs_stream("normal"), {"job": json.dumps({"job_id": "bad-bulk", "prompt": "x", "temperature": -5, "output": {**out, "custom_id": "c2"}})})
     plain = producer.submit(prompt="plain", max_tokens=2)
@@ -373,3 +374,116 @@ def test_engine_bug_on_one_job_fails_that_job_only(r, redis_url, producer):
     assert res.status == JobStatus.FAILED and "KeyError" in res.error
     assert all(producer.result(j, timeout=2).status == JobStatus.COMPLETED for j in good)
     assert r.xpending(keys.jobs_stream("normal"), "workers")["pending"] == 0
+
+
+# ---- wiring between the queue path and the bulk path ------------------------------------------
+
+class _CountingEngine(FakeEngine):
+    """Records every request the worker hands it."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.added: list[str] = []
+
+    def add_request(self, request_id, *a, **kw):
+        self.added.append(request_id)
+        return super().add_request(request_id, *a, **kw)
+
+
+def _bulk(redis_url, tmp_path, bulk_id: str) -> str:
+    from producer.bulk import create_bulk
+
+    c = redis.Redis.from_url(redis_url, decode_responses=True)
+    create_bulk(str(tmp_path / "in.jsonl"), str(tmp_path / bulk_id), connection=c, bulk_id=bulk_id)
+    c.hset(keys.bulk_hash(bulk_id), "status", "in_progress")  # as the orchestrator leaves it while feeding
+    return bulk_id
+
+
+def _bulk_job(bulk_id: str, i: int, tmp_path) -> dict:
+    return {"job_id": f"{bulk_id}-L{i}", "prompt": f"line {i}", "max_tokens": 2, "seed": i, "lane": "low",
+            "metadata": {"bulk_line": i},
+            "output": {"kind": "bulk", "bulk_id": bulk_id, "custom_id": f"c{i}", "uri": str(tmp_path / bulk_id)}}
+
+
+def test_jobs_of_a_cancelled_bulk_are_acked_without_reaching_the_engine(r, redis_url, producer, tmp_path):
+    from producer.bulk import cancel_bulk
+    from producer.schema import JobRequest
+    from producer.wire import job_fields
+
+    live, dead = _bulk(redis_url, tmp_path, "b-live"), _bulk(redis_url, tmp_path, "b-dead")
+    n = 20
+    for i in range(1, n + 1):  # interleaved on one lane
+        producer.submit_many([_bulk_job(dead, i, tmp_path), _bulk_job(live, i, tmp_path)])
+    # a job of the dead bulk queued without a job hash (written straight to the stream)
+    hashless = JobRequest.model_validate(_bulk_job(dead, n + 1, tmp_path))
+    r.xadd(keys.jobs_stream("low"), job_fields(hashless))
+    cancel_bulk(redis.Redis.from_url(redis_url, decode_responses=True), dead)
+    engine = _CountingEngine(FakeConfig(max_num_seqs=4))
+    w = make_worker(r, redis_url, engine=engine, max_num_seqs=4, bulk_flush_lines=5)
+    w.run(burst=True)
+
+    assert sorted(engine.added) == sorted(f"{live}-L{i}" for i in range(1, n + 1))  # nothing of the dead bulk ran
+    assert r.xpending(keys.jobs_stream("low"), "workers")["pending"] == 0  # ...and all of it is acked
+    assert r.xlen(keys.dead_letter_stream()) == 0  # a cancelled bulk's jobs are not dead letters
+    res = producer.result(f"{dead}-L1", timeout=1)
+    assert res.status == JobStatus.CANCELLED and dead in res.error and res.token_ids == []
+    assert not r.exists(keys.job_hash(hashless.job_id))  # no hash was there, none is made up
+    # the cancelling bulk's orchestrator sees every job accounted for (skipped), the live bulk completes
+    assert r.hget(keys.bulk_hash(dead), "skipped") == str(n + 1).encode()
+    assert r.hget(keys.bulk_hash(dead), "completed") == b"0"
+    assert r.hget(keys.bulk_hash(live), "completed") == str(n).encode()
+    # liveness is cached per bulk: not one round trip per job
+    assert w._bulks.num_checks < n
+
+
+def test_sink_that_cannot_write_stops_pulling_and_bounds_the_pel(r, redis_url, producer, tmp_path):
+    from producer.bulk_storage import StorageError
+    from worker.bulk_sink import BulkSink
+
+    class FailingStorage:
+        def __init__(self):
+            self.attempts = 0
+
+        def put_bytes(self, name, data):
+            self.attempts += 1
+            raise StorageError("503 Slow Down (injected)")
+
+    bulk_id = _bulk(redis_url, tmp_path, "b-stuck")
+    n = 200
+    producer.submit_many([_bulk_job(bulk_id, i, tmp_path) for i in range(1, n + 1)])
+    engine = _CountingEngine(FakeConfig(max_num_seqs=4))
+    w = make_worker(r, redis_url, engine=engine, max_num_seqs=4, prefetch=2,
+                    bulk_flush_lines=4, bulk_flush_interval_s=0.05, bulk_max_buffered_lines=12)
+    storage = FailingStorage()
+    w._sink = BulkSink(r, w.name, w.settings)
+    w._sink._storages[str(tmp_path / bulk_id)] = storage
+    stream = keys.jobs_stream("low")
+    bound = 12 + 4 + 2  # buffered results + admission limit + prefetch
+    try:
+        for _ in range(300):
+            if w._sink_backpressure and not w._busy():
+                break
+            w.run(max_steps=1)
+            assert r.xpending(stream, "workers")["pending"] <= bound
+        assert w._sink_backpressure and storage.attempts >= 1
+        # stalled: a few more iterations neither pull nor admit, but flushes are retried
+        taken = len(engine.added)
+        tries = storage.attempts
+        deadline = time.monotonic() + 10
+        while storage.attempts == tries and time.monotonic() < deadline:
+            w._iteration(block=False)
+        assert storage.attempts > tries and len(engine.added) == taken
+    finally:
+        w.close()
+    pending = r.xpending(stream, "workers")["pending"]
+    assert 12 <= pending <= bound and len(engine.added) == pending < n  # nothing acked, nothing lost
+    assert r.hget(keys.bulk_hash(bulk_id), "completed") == b"0"
+
+    # once parts can be written again, a restart under the same name finishes the lot (the
+    # entries beyond what it recovers at start come back when their lease lapses)
+    w2 = make_worker(r, redis_url, max_num_seqs=4, prefetch=2, bulk_flush_lines=4, bulk_max_buffered_lines=12,
+                     lease_ms=100, reclaim_interval_s=0.01)
+    time.sleep(0.2)
+    w2.run(burst=True)
+    assert r.xpending(stream, "workers")["pending"] == 0
+    assert r.hget(keys.bulk_hash(bulk_id), "completed") == str(n).encode()

@@ -69,6 +69,8 @@ class BulkSink:
         self.consumer = re.sub(r"[^A-Za-z0-9._-]", "_", consumer_name) or "worker"
         self.flush_lines = int(getattr(settings, "bulk_flush_lines", 256))
         self.flush_interval_s = float(getattr(settings, "bulk_flush_interval_s", 5.0))
+        # over this many buffered lines every buffer is due (the worker has stopped pulling)
+        self.max_buffered_lines = int(getattr(settings, "bulk_max_buffered_lines", None) or 4 * self.flush_lines)
         endpoint = getattr(settings, "s3_endpoint_url", None)
         self.storage_settings = StorageSettings(**({"s3_endpoint_url": endpoint} if endpoint else {}))
         self._count = redis_client.register_script(_COUNT_LUA)
@@ -124,8 +126,9 @@ class BulkSink:
     def _flush_due(self, force: bool) -> list[tuple[str, str]]:
         acks, self._to_ack = self._to_ack, []
         now = time.monotonic()
+        pressed = len(self) >= self.max_buffered_lines
         for bulk_id, buf in list(self._buffers.items()):
-            due = force or len(buf.items) >= self.flush_lines or now - buf.first_at >= self.flush_interval_s
+            due = force or pressed or len(buf.items) >= self.flush_lines or now - buf.first_at >= self.flush_interval_s
             if due and (force or now >= buf.retry_at):
                 acks.extend(self._flush(bulk_id, buf))
         return acks

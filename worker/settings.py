@@ -49,6 +49,9 @@ class WorkerSettings(BaseSettings):
     s3_endpoint_url: str | None = Field(None, validation_alias="S3_ENDPOINT_URL")
     bulk_flush_lines: int = Field(256, ge=1)
     bulk_flush_interval_s: float = Field(5.0, gt=0)
+    # Backpressure: while this many bulk results wait for a durable part (default 4 x
+    # bulk_flush_lines), the worker pulls nothing new; it keeps stepping and retrying flushes.
+    bulk_max_buffered_lines: int | None = Field(None, ge=1)
 
     @field_validator("lanes", mode="before")
     @classmethod
@@ -65,6 +68,10 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"lanes must be a non-empty subset of {list(keys.LANES)}, got {v}")
         # read order is fixed: high before normal before low
         return [lane for lane in keys.LANES if lane in v]
+
+    @property
+    def bulk_buffer_limit(self) -> int:
+        return self.bulk_max_buffered_lines or 4 * self.bulk_flush_lines
 
     @property
     def reclaim_every_s(self) -> float:

@@ -4,6 +4,12 @@
     engine.step() -> deltas -> Publisher (a thread: coalesced, one transaction per flush)
     final result + status + XACK written together; bulk results to the bulk sink
 
+Jobs of a bulk that is no longer live (cancelling, cancelled, expired, failed)
+are acked without running (``worker.bulk_gate``). While the bulk sink holds
+``bulk_buffer_limit`` results that are not durable yet, the loop pulls nothing
+new: it keeps stepping and retrying flushes, so failing part writes cannot grow
+a worker's memory (or its PEL) without bound.
+
 A control thread keeps leases alive, reads cancellations and trims lanes, so the
 loop itself only talks to Redis when it pulls. ``run(burst=False, max_steps=None)``
 is shaped like rq's ``Worker.work``: the first SIGTERM/SIGINT is a warm stop (no
@@ -23,6 +29,7 @@ import redis
 
 from producer import keys
 from producer.schema import JobRequest, JobResult, JobStatus, SampleResult
+from worker.bulk_gate import BulkGate
 from worker.consumer import Consumer, Delivery
 from worker.control import ControlThread
 from worker.jobs import ActiveJob, InvalidJob, NoAckPipe, SampleOutput, load_history, parse_delivery, salvage
@@ -50,6 +57,8 @@ class Worker:
         self.publisher = Publisher(client, self.consumer, settings.publish_interval_ms / 1000, on_acked=self._on_acked)
         self._sink = sink
         self._sink_error: str | None = None
+        self._bulks = BulkGate(client)
+        self._sink_backpressure = False
         self._active: dict[str, ActiveJob] = {}  # job_id -> job in the engine
         self._buffer: deque[ActiveJob] = deque()  # pulled, validated, not yet in the engine
         self._held: set[tuple[str, str]] = set()  # (lane, entry_id) read and not yet acked (redis jobs)
@@ -187,6 +196,9 @@ class Worker:
         """How many more entries to read now: never more than admission limit + prefetch held."""
         with self._lock:
             held = len(self._held)
+            sink_pending = len(self._sink_pending)
+        if self._sink_full(sink_pending):
+            return 0
         by_pel = self.admission_limit + self.settings.prefetch - held
         by_engine = self.engine.num_admittable() + self.settings.prefetch - len(self._buffer)
         return max(0, min(by_pel, by_engine))
@@ -271,6 +283,7 @@ class Worker:
         now = time.time()
         for a, (status, cancel_requested) in zip(jobs, states):
             st = status.decode() if status else None
+            a.has_job_hash = st is not None
             if a.is_bulk:
                 pass
             elif st in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED):
@@ -305,8 +318,17 @@ class Worker:
             return
         n = self.engine.num_admittable()
         ops: list[object] = []
+        skipped: dict[str, list[str]] = {}
         now = time.time()
-        while self._buffer and n > 0:
+        while self._buffer:
+            a = self._buffer[0]
+            if a.is_bulk and not self._bulks.is_live(a.job.output.bulk_id):
+                self._buffer.popleft()
+                ops.append(self._skip_dead_bulk(a))
+                skipped.setdefault(a.job.output.bulk_id, []).append(a.job.output.custom_id or a.job_id)
+                continue
+            if n <= 0:
+                break
             a = self._buffer.popleft()
             if a.job.is_expired(now):
                 ops.append(self._final(a, JobStatus.EXPIRED, error="deadline passed before it started"))
@@ -333,6 +355,11 @@ class Worker:
             if not a.is_bulk:
                 ops.append(Start(j.job_id, self.name, a.started_at, a.delivery.deliveries, j.result_ttl_s))
         self.publisher.put(ops)
+        for bulk_id, custom_ids in skipped.items():
+            try:
+                self._bulks.record_skipped(bulk_id, custom_ids)
+            except redis.RedisError as exc:  # the orchestrator then waits out its cancel grace period
+                log.warning("could not count %d skipped jobs of bulk %s: %s", len(custom_ids), bulk_id, exc)
 
     # -- results --------------------------------------------------------------------------------
 
@@ -403,6 +430,32 @@ class Worker:
         return Final(result, a.job.result_ttl_s, (a.delivery.lane, a.delivery.entry_id))
 
     # -- bulk sink --------------------------------------------------------------------------------
+
+    def _skip_dead_bulk(self, a: ActiveJob) -> Final:
+        """A job whose bulk is no longer live: acked unrun, no dead letter; its job hash (if any) says cancelled."""
+        self.metrics.jobs.labels(JobStatus.CANCELLED.value).inc()
+        result = JobResult(
+            job_id=a.job_id,
+            status=JobStatus.CANCELLED,
+            error=f"not run: bulk {a.job.output.bulk_id} is cancelled, expired or failed",
+            worker=self.name,
+            deliveries=a.delivery.deliveries,
+            created_at=a.job.created_at,
+            metadata=a.job.metadata,
+        )
+        return Final(result, a.job.result_ttl_s, (a.delivery.lane, a.delivery.entry_id), write_result=a.has_job_hash)
+
+    def _sink_full(self, sink_pending: int) -> bool:
+        """Backpressure: too many bulk results wait for a durable part to pull more work."""
+        full = sink_pending >= self.settings.bulk_buffer_limit
+        if full != self._sink_backpressure:
+            self._sink_backpressure = full
+            if full:
+                log.warning("bulk sink holds %d results not yet durable (limit %d): pulling paused until parts are written",
+                            sink_pending, self.settings.bulk_buffer_limit)
+            else:
+                log.info("bulk sink below its limit again: pulling resumed")
+        return full
 
     def _get_sink(self) -> Any:
         if self._sink is None and self._sink_error is None:
