@@ -255,7 +255,7 @@ class _StubSink:
 def test_bulk_jobs_go_to_the_sink_and_are_acked_only_when_durable(r, redis_url, producer):
     sink = _StubSink()
     w = make_worker(r, redis_url)
-    w._sink = sink
+    w.bulk.sink = sink
     out = {"kind": "bulk", "bulk_id": "b1", "custom_id": "c1"}
     r.hset(keys.bulk_hash("b1"), "status", "in_progress")  # a live bulk (a worker skips jobs of others)
     ok = producer.submit(prompt="bulk one", max_tokens=3, seed=1, output=out)
@@ -433,7 +433,7 @@ def test_jobs_of_a_cancelled_bulk_are_acked_without_reaching_the_engine(r, redis
     assert r.hget(keys.bulk_hash(dead), "completed") == b"0"
     assert r.hget(keys.bulk_hash(live), "completed") == str(n).encode()
     # liveness is cached per bulk: not one round trip per job
-    assert w._bulks.num_checks < n
+    assert w.bulk.gate.num_checks < n
 
 
 def test_sink_that_cannot_write_stops_pulling_and_bounds_the_pel(r, redis_url, producer, tmp_path):
@@ -455,17 +455,17 @@ def test_sink_that_cannot_write_stops_pulling_and_bounds_the_pel(r, redis_url, p
     w = make_worker(r, redis_url, engine=engine, max_num_seqs=4, prefetch=2,
                     bulk_flush_lines=4, bulk_flush_interval_s=0.05, bulk_max_buffered_lines=12)
     storage = FailingStorage()
-    w._sink = BulkSink(r, w.name, w.settings)
-    w._sink._storages[str(tmp_path / bulk_id)] = storage
+    w.bulk.sink = BulkSink(r, w.name, w.settings)
+    w.bulk.sink._storages[str(tmp_path / bulk_id)] = storage
     stream = keys.jobs_stream("low")
     bound = 12 + 4 + 2  # buffered results + admission limit + prefetch
     try:
         for _ in range(300):
-            if w._sink_backpressure and not w._busy():
+            if w.bulk.backpressure and not w._busy():
                 break
             w.run(max_steps=1)
             assert r.xpending(stream, "workers")["pending"] <= bound
-        assert w._sink_backpressure and storage.attempts >= 1
+        assert w.bulk.backpressure and storage.attempts >= 1
         # stalled: a few more iterations neither pull nor admit, but flushes are retried
         taken = len(engine.added)
         tries = storage.attempts

@@ -50,7 +50,8 @@ class ControlThread(threading.Thread):
                 if now >= next_refresh:
                     next_refresh = now + refresh_every
                     with w._lock:
-                        held = list(w._held | w._sink_pending)
+                        held = list(w._held)
+                    held += w.bulk.pending()
                     by_lane: dict[str, list[str]] = {}
                     for lane, eid in held:
                         by_lane.setdefault(lane, []).append(eid)

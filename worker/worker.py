@@ -4,11 +4,10 @@
     engine.step() -> deltas -> Publisher (a thread: coalesced, one transaction per flush)
     final result + status + XACK written together; bulk results to the bulk sink
 
-Jobs of a bulk that is no longer live (cancelling, cancelled, expired, failed)
-are acked without running (``worker.bulk_gate``). While the bulk sink holds
-``bulk_buffer_limit`` results that are not durable yet, the loop pulls nothing
-new: it keeps stepping and retrying flushes, so failing part writes cannot grow
-a worker's memory (or its PEL) without bound.
+Bulk jobs (``worker.bulk_jobs``): those of a bulk that is no longer live are
+acked without running; while the bulk sink holds ``bulk_buffer_limit`` results
+that are not durable yet, the loop pulls nothing new (it keeps stepping and
+retrying flushes), so failing part writes cannot grow a worker without bound.
 
 A control thread keeps leases alive, reads cancellations and trims lanes, so the
 loop itself only talks to Redis when it pulls. ``run(burst=False, max_steps=None)``
@@ -29,7 +28,7 @@ import redis
 
 from producer import keys
 from producer.schema import JobRequest, JobResult, JobStatus, SampleResult
-from worker.bulk_gate import BulkGate
+from worker.bulk_jobs import BulkJobs
 from worker.consumer import Consumer, Delivery
 from worker.control import ControlThread
 from worker.jobs import ActiveJob, InvalidJob, NoAckPipe, SampleOutput, load_history, parse_delivery, salvage
@@ -55,14 +54,10 @@ class Worker:
         self.name = settings.consumer
         self.consumer = Consumer(client, settings)
         self.publisher = Publisher(client, self.consumer, settings.publish_interval_ms / 1000, on_acked=self._on_acked)
-        self._sink = sink
-        self._sink_error: str | None = None
-        self._bulks = BulkGate(client)
-        self._sink_backpressure = False
+        self.bulk = BulkJobs(client, settings, sink)
         self._active: dict[str, ActiveJob] = {}  # job_id -> job in the engine
         self._buffer: deque[ActiveJob] = deque()  # pulled, validated, not yet in the engine
-        self._held: set[tuple[str, str]] = set()  # (lane, entry_id) read and not yet acked (redis jobs)
-        self._sink_pending: set[tuple[str, str]] = set()  # bulk results waiting for a durable part: leases kept, not counted
+        self._held: set[tuple[str, str]] = set()  # (lane, entry_id) read and not yet acked, except bulk results in the sink
         self._lock = threading.Lock()  # guards _held, _cancel_requests, _lost
         self._cancel_requests: set[str] = set()
         self._lost: set[tuple[str, str]] = set()
@@ -194,11 +189,10 @@ class Worker:
 
     def _capacity(self) -> int:
         """How many more entries to read now: never more than admission limit + prefetch held."""
+        if self.bulk.full():
+            return 0
         with self._lock:
             held = len(self._held)
-            sink_pending = len(self._sink_pending)
-        if self._sink_full(sink_pending):
-            return 0
         by_pel = self.admission_limit + self.settings.prefetch - held
         by_engine = self.engine.num_admittable() + self.settings.prefetch - len(self._buffer)
         return max(0, min(by_pel, by_engine))
@@ -318,14 +312,15 @@ class Worker:
             return
         n = self.engine.num_admittable()
         ops: list[object] = []
-        skipped: dict[str, list[str]] = {}
+        skipped: list[ActiveJob] = []
         now = time.time()
         while self._buffer:
             a = self._buffer[0]
-            if a.is_bulk and not self._bulks.is_live(a.job.output.bulk_id):
+            if a.is_bulk and not self.bulk.is_live(a.job):
                 self._buffer.popleft()
-                ops.append(self._skip_dead_bulk(a))
-                skipped.setdefault(a.job.output.bulk_id, []).append(a.job.output.custom_id or a.job_id)
+                self.metrics.jobs.labels(JobStatus.CANCELLED.value).inc()
+                ops.append(self.bulk.skip(a, self.name))
+                skipped.append(a)
                 continue
             if n <= 0:
                 break
@@ -355,11 +350,8 @@ class Worker:
             if not a.is_bulk:
                 ops.append(Start(j.job_id, self.name, a.started_at, a.delivery.deliveries, j.result_ttl_s))
         self.publisher.put(ops)
-        for bulk_id, custom_ids in skipped.items():
-            try:
-                self._bulks.record_skipped(bulk_id, custom_ids)
-            except redis.RedisError as exc:  # the orchestrator then waits out its cancel grace period
-                log.warning("could not count %d skipped jobs of bulk %s: %s", len(custom_ids), bulk_id, exc)
+        if skipped:
+            self.bulk.record_skipped(skipped)
 
     # -- results --------------------------------------------------------------------------------
 
@@ -425,62 +417,21 @@ class Worker:
         if a.is_bulk:
             if self._to_sink(a.delivery, a.job, result):
                 return None  # acked later by the sink, once its part is durable
-            result = result.model_copy(update={"status": JobStatus.FAILED, "error": self._sink_error})
+            result = result.model_copy(update={"status": JobStatus.FAILED, "error": self.bulk.error})
             return Final(result, a.job.result_ttl_s, (a.delivery.lane, a.delivery.entry_id), dead_letter=a.delivery, write_result=False)
         return Final(result, a.job.result_ttl_s, (a.delivery.lane, a.delivery.entry_id))
 
     # -- bulk sink --------------------------------------------------------------------------------
 
-    def _skip_dead_bulk(self, a: ActiveJob) -> Final:
-        """A job whose bulk is no longer live: acked unrun, no dead letter; its job hash (if any) says cancelled."""
-        self.metrics.jobs.labels(JobStatus.CANCELLED.value).inc()
-        result = JobResult(
-            job_id=a.job_id,
-            status=JobStatus.CANCELLED,
-            error=f"not run: bulk {a.job.output.bulk_id} is cancelled, expired or failed",
-            worker=self.name,
-            deliveries=a.delivery.deliveries,
-            created_at=a.job.created_at,
-            metadata=a.job.metadata,
-        )
-        return Final(result, a.job.result_ttl_s, (a.delivery.lane, a.delivery.entry_id), write_result=a.has_job_hash)
-
-    def _sink_full(self, sink_pending: int) -> bool:
-        """Backpressure: too many bulk results wait for a durable part to pull more work."""
-        full = sink_pending >= self.settings.bulk_buffer_limit
-        if full != self._sink_backpressure:
-            self._sink_backpressure = full
-            if full:
-                log.warning("bulk sink holds %d results not yet durable (limit %d): pulling paused until parts are written",
-                            sink_pending, self.settings.bulk_buffer_limit)
-            else:
-                log.info("bulk sink below its limit again: pulling resumed")
-        return full
-
-    def _get_sink(self) -> Any:
-        if self._sink is None and self._sink_error is None:
-            try:
-                from worker.bulk_sink import BulkSink
-            except ImportError as exc:
-                self._sink_error = f"bulk output is not available in this worker (worker.bulk_sink: {exc})"
-                return None
-            self._sink = BulkSink(self.redis, self.name, self.settings)
-        return self._sink
-
     def _to_sink(self, d: Delivery, job: JobRequest, result: JobResult) -> bool:
-        sink = self._get_sink()
-        if sink is None:
+        if not self.bulk.to_sink(d, job, result):
             return False
-        sink.add(d.lane, d.entry_id, job, result)
         with self._lock:
-            self._held.discard((d.lane, d.entry_id))  # durable-pending bulk entries do not block pulling
-            self._sink_pending.add((d.lane, d.entry_id))
+            self._held.discard((d.lane, d.entry_id))  # the sink's entries are bounded by bulk_buffer_limit instead
         return True
 
     def _poll_sink(self) -> None:
-        if self._sink is not None:
-            done = self._sink.poll()
-            self._ack_pairs(done)
+        self._ack_pairs(self.bulk.poll())
 
     def _ack_pairs(self, pairs: list[tuple[str, str]]) -> None:
         by_lane: dict[str, list[str]] = {}
@@ -491,7 +442,7 @@ class Worker:
     def _on_acked(self, pairs: list[tuple[str, str]]) -> None:
         with self._lock:
             self._held.difference_update(pairs)
-            self._sink_pending.difference_update(pairs)
+        self.bulk.on_acked(pairs)
 
     # -- cancellation, deadlines, lost leases -------------------------------------------------------
 
@@ -640,12 +591,10 @@ class Worker:
             self.engine.abort_request(a.job_id)
         self._active.clear()
         self.publisher.flush(timeout=5.0 if self._stop_requested != 2 else 1.0)
-        if self._sink is not None:
-            try:
-                self._ack_pairs(self._sink.close())
-            except Exception:
-                log.exception("bulk sink close failed")
-            self._sink = None
+        try:
+            self._ack_pairs(self.bulk.close())
+        except Exception:
+            log.exception("bulk sink close failed")
         self._release([a.delivery for a in unfinished if not a.is_bulk])
         self._release_buffer()
         self.publisher.stop(timeout=5.0)
