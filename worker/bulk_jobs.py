@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import redis
@@ -37,6 +38,7 @@ class BulkJobs:
         self.error: str | None = None  # why this worker cannot write bulk output, if it cannot
         self.gate = BulkGate(client)
         self.backpressure = False
+        self._next_warning = 0.0
         self._lock = threading.Lock()  # the publisher thread acks, the control thread refreshes leases
         self._pending: set[Entry] = set()  # handed to the sink, not acked yet
 
@@ -118,11 +120,10 @@ class BulkJobs:
         with self._lock:
             n = len(self._pending)
         full = n >= self.settings.bulk_buffer_limit
-        if full != self.backpressure:
-            self.backpressure = full
-            if full:
-                log.warning("bulk sink holds %d results not yet durable (limit %d): pulling paused until parts are written",
-                            n, self.settings.bulk_buffer_limit)
-            else:
-                log.info("bulk sink below its limit again: pulling resumed")
+        if full and not self.backpressure and time.monotonic() >= self._next_warning:
+            # slow part writes can make this flap at the limit: say it at most once a minute
+            self._next_warning = time.monotonic() + 60.0
+            log.warning("bulk sink holds %d results not yet durable (limit %d): pulling paused until parts are written",
+                        n, self.settings.bulk_buffer_limit)
+        self.backpressure = full
         return full

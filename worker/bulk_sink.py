@@ -10,6 +10,11 @@ re-run may put a job's line into a second part, and finalize keeps one.
 After a part is durable the sink counts its custom_ids once per bulk (SADD on
 the bulk's done set, then HINCRBY completed/failed, in one Lua script), which is
 what the orchestrator waits on.
+
+Buffers flush at ``bulk_flush_lines`` or after ``bulk_flush_interval_s``; once
+``bulk_max_buffered_lines`` (default 4 x ``bulk_flush_lines``) are buffered in
+all, every buffer is due, and the worker pulls no new jobs until writes succeed
+(failed writes are retried with backoff).
 """
 from __future__ import annotations
 

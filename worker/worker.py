@@ -188,7 +188,8 @@ class Worker:
         return bool(self._active or self._buffer or self.engine.has_unfinished_requests())
 
     def _capacity(self) -> int:
-        """How many more entries to read now: never more than admission limit + prefetch held."""
+        """How many more entries to read now: never more than admission limit + prefetch held,
+        and none while the bulk sink holds ``bulk_buffer_limit`` results that are not durable yet."""
         if self.bulk.full():
             return 0
         with self._lock:
