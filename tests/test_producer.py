@@ -7,22 +7,9 @@ import json
 import pytest
 import redis
 
-from producer import AsyncProducer, JobNotFound, JobRequest, JobStatus, Producer
+from producer import AsyncProducer, JobNotFound, JobRequest, JobStatus
 from producer import keys
 from producer.wire import token_event_fields, end_fields
-
-
-@pytest.fixture
-def r(redis_url):
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def producer(redis_url):
-    with Producer.from_url(redis_url) as p:
-        yield p
 
 
 def test_schema_roundtrip_and_flat_sampling():

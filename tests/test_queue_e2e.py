@@ -13,26 +13,12 @@ import threading
 import time
 
 import pytest
-import redis
 
 from producer import JobStatus, Producer
 from producer import keys
 from tests.queue_helpers import ROOT, WorkerProc, assert_contiguous, pending_of, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def r(redis_url):
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def producer(redis_url):
-    with Producer.from_url(redis_url) as p:
-        yield p
 
 
 @pytest.fixture

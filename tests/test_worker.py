@@ -13,25 +13,12 @@ import time
 import pytest
 import redis
 
-from producer import JobStatus, Producer
+from producer import JobStatus
 from producer import keys
 from tests.queue_helpers import assert_contiguous, wait_for
 from worker.fake_engine import FakeConfig, FakeEngine
 from worker.settings import WorkerSettings
 from worker.worker import Worker
-
-
-@pytest.fixture
-def r(redis_url):
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def producer(redis_url):
-    with Producer.from_url(redis_url) as p:
-        yield p
 
 
 def make_worker(r, redis_url, engine=None, **kw) -> Worker:
