@@ -45,12 +45,19 @@ def store_kvcache(
             cache[slots // cache.shape[1], slots % cache.shape[1]] = src.to(cache.dtype)
 
 
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    # cache: [num_blocks, block_size, kvh, d]; blocks: any shape of block ids -> [*blocks.shape, block_size, kvh, d]
+    # index_select over flattened blocks copies whole blocks, ~3x faster on the CPU than advanced indexing.
+    flat = cache.reshape(cache.shape[0], -1).index_select(0, blocks.reshape(-1).to(torch.long))
+    return flat.view(*blocks.shape, *cache.shape[1:])
+
+
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     # cache: [num_blocks, block_size, kvh, d]; block_table: [max_blocks] -> [num_tokens, kvh, d]
     block_size = cache.shape[1]
     num_blocks = (num_tokens + block_size - 1) // block_size
-    blocks = block_table[:num_blocks].to(torch.long)
-    return cache[blocks].reshape(num_blocks * block_size, *cache.shape[2:])[:num_tokens]
+    blocks = _gather_blocks(cache, block_table[:num_blocks])
+    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:num_tokens]
 
 
 def _check_gqa(num_heads: int, num_kv_heads: int) -> None:
@@ -75,8 +82,8 @@ def paged_decode_attention(
     nb = (max_len + block_size - 1) // block_size
     # Entries past a sequence's last block may be garbage: clamp, then mask.
     blocks = block_tables[:, :nb].to(torch.long).clamp(0, num_blocks_total - 1)
-    k = k_cache[blocks].reshape(num_seqs, nb * block_size, num_kv_heads, head_dim)
-    v = v_cache[blocks].reshape(num_seqs, nb * block_size, num_kv_heads, head_dim)
+    k = _gather_blocks(k_cache, blocks).view(num_seqs, nb * block_size, num_kv_heads, head_dim)
+    v = _gather_blocks(v_cache, blocks).view(num_seqs, nb * block_size, num_kv_heads, head_dim)
     pos = torch.arange(nb * block_size, device=q.device)
     mask = pos[None, :] < context_lens.to(q.device, torch.long)[:, None]  # [S, T]
     group = num_heads // num_kv_heads
@@ -84,9 +91,11 @@ def paged_decode_attention(
     scores = torch.einsum("skgd,stkd->skgt", qg, k.float()) * scale  # [S, kvh, group, T]
     # Slots past a context may hold anything (NaN from torch.empty): the scores there
     # are replaced outright, and V is zeroed, since a zero weight times NaN is NaN.
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    outside = ~mask
+    scores.masked_fill_(outside[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)
-    v = v.float().masked_fill(~mask[:, :, None, None], 0.0)
+    v = v.float()  # a fresh gathered copy, so it may be zeroed in place
+    v.masked_fill_(outside[:, :, None, None], 0.0)
     out = torch.einsum("skgt,stkd->skgd", probs, v)  # [S, kvh, group, d]
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
