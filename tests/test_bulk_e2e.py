@@ -24,20 +24,12 @@ import redis
 from producer import keys
 from producer.bulk import get_bulk, submit_bulk
 from test_bulk import read_jsonl
-from test_bulk_support import AWS_ENV, start_moto
+from test_bulk_support import AWS_ENV
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGESTREAM = str(Path(sys.executable).with_name("pagestream"))
-
-
-@pytest.fixture(scope="module")
-def moto_url():
-    proc, url = start_moto()
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 def _env(moto_url: str) -> dict:

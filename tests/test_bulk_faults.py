@@ -10,15 +10,7 @@ import redis
 from producer import keys
 from producer.bulk import get_bulk, submit_bulk
 from test_bulk import read_jsonl, rq_burst, run_bulk_with_standins, write_input
-from test_bulk_support import AWS_ENV, FaultProxy, FaultRule, start_moto
-
-
-@pytest.fixture(scope="module")
-def moto_url():
-    proc, url = start_moto()
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+from test_bulk_support import AWS_ENV, FaultProxy, FaultRule
 
 
 @pytest.fixture
