@@ -1,0 +1,62 @@
+"""Host (Python) time of one engine decode step, with the model replaced by a no-op.
+
+    .venv/bin/python bench/engine_host_overhead.py [--num-seqs 256] [--prompt-len 512] [--steps 100]
+
+What is left is the engine's own bookkeeping per step: scheduling, block-table
+and input preparation, the sampler's argmax over a small vocabulary, stop checks
+and building the incremental outputs. On the GPU this time is not overlapped with
+the forward pass, so it bounds decode throughput (BENCHMARKS.md, "Engine (H200)").
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+
+import torch
+
+
+class _NoOpModel(torch.nn.Module):
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.hidden, self.vocab = hidden, vocab
+
+    def forward(self, input_ids, positions, meta, cos_sin_cache):
+        return torch.zeros(input_ids.shape[0], self.hidden)
+
+    def compute_logits(self, hidden):
+        return torch.zeros(hidden.shape[0], self.vocab)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=100)
+    args = ap.parse_args()
+
+    from engine import LLM, SamplingParams
+    from engine.testing import write_tiny_model
+
+    model_dir = write_tiny_model(tempfile.mkdtemp(prefix="pagestream-tiny-"), "llama")  # no tokenizer
+    llm = LLM(model_dir, device="cpu", max_num_seqs=args.num_seqs, max_model_len=1024,
+              kv_cache_bytes=2**30, max_num_batched_tokens=args.num_seqs * args.prompt_len)
+    engine = llm.llm_engine
+    engine.runner.model = _NoOpModel(64, 1000)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 10, ignore_eos=True)
+    for i in range(args.num_seqs):
+        engine.add_request(f"r{i}", prompt_token_ids=[rng.randrange(3, 1000) for _ in range(args.prompt_len)], params=params)
+    while engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    ms = (time.perf_counter() - t) / args.steps * 1000
+    print(f"host time per decode step, {args.num_seqs} sequences: {ms:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
