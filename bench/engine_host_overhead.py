@@ -1,4 +1,5 @@
-"""Host (Python) time of one engine decode step, with the model replaced by a no-op.
+"""Host (Python) time of one engine decode step, with the model replaced by a no-op,
+and the paged KV cache's waste (allocated slots holding no token) while decoding.
 
     .venv/bin/python bench/engine_host_overhead.py [--num-seqs 256] [--prompt-len 512] [--steps 100]
 
@@ -45,7 +46,7 @@ def main() -> None:
     engine = llm.llm_engine
     engine.runner.model = _NoOpModel(64, 1000)
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 10, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True)
     for i in range(args.num_seqs):
         engine.add_request(f"r{i}", prompt_token_ids=[rng.randrange(3, 1000) for _ in range(args.prompt_len)], params=params)
     while engine.scheduler.waiting:
@@ -56,6 +57,14 @@ def main() -> None:
         engine.step()
     ms = (time.perf_counter() - t) / args.steps * 1000
     print(f"host time per decode step, {args.num_seqs} sequences: {ms:.2f} ms")
+    # Paged-KV waste over the next steps: allocated slots that hold no token (the tail of
+    # each sequence's last block), the figure PagedAttention keeps under 4%.
+    waste = []
+    for _ in range(16):
+        engine.step()
+        waste.append(engine.stats().kv_waste)
+    print(f"KV waste over 16 decode steps (block_size {engine.config.block_size}): "
+          f"mean {100 * sum(waste) / len(waste):.2f}%, max {100 * max(waste):.2f}%")
 
 
 if __name__ == "__main__":
