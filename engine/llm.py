@@ -67,9 +67,11 @@ class LLM:
                                    priority=priority[k] if priority else 0)
                 added.append(ids[k])
         except ValueError:
+            # One bad prompt fails the whole call: take back the ones already queued and
+            # drop their 'abort' outputs, so the next generate() starts clean.
             for rid in added:
                 engine.abort_request(rid)
-            engine.step() if not engine.has_unfinished_requests() else None
+            engine.step()
             raise
         results: dict[str, RequestOutput] = {}
         bar = None

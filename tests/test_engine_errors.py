@@ -91,3 +91,15 @@ def test_abort_frees_blocks_and_reports_abort(tiny_llama_dir):
     assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [("long", True, "abort")]
     assert engine.stats().num_free_blocks == 32
     assert not engine.has_unfinished_requests()
+
+
+def test_a_bad_prompt_fails_generate_whole_and_the_next_call_is_clean(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, device="cpu", max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        llm.generate(["fine", "also fine", "word " * 200], params, use_tqdm=False)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+    outs = llm.generate(["fine"], params, use_tqdm=False)
+    assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 4
