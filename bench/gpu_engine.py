@@ -94,6 +94,17 @@ def first_step_logits(llm, prompt_ids):
         eng.block_manager.free(seq)
 
 
+def _timed(device, fn):
+    """(result, seconds) of fn(), with the device idle before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - t0
+
+
 def _free(device):
     gc.collect()
     if device.type == "cuda":
@@ -224,13 +235,7 @@ def throughput(args, model_dir, device, res, ceil):
               enforce_eager=args.enforce_eager)
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[: min(8, n)], sampling_params=SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    outs, dt = _timed(device, lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
     assert sum(len(o.outputs[0].token_ids) for o in outs) == total_tokens
     stats = llm.llm_engine.stats()
     out["pagestream_s"] = dt
@@ -240,9 +245,7 @@ def throughput(args, model_dir, device, res, ceil):
     out["preemptions"] = stats.num_preemptions
     log(json.dumps(out, indent=1))
     del llm, outs
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    _free(device)
 
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -252,13 +255,7 @@ def throughput(args, model_dir, device, res, ceil):
     kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.no_grad():
         hf.generate(ids[:8], max_new_tokens=8, do_sample=False, pad_token_id=0)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        r = hf.generate(ids, **kw)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        r, dt = _timed(device, lambda: hf.generate(ids, **kw))
     assert r.shape[1] == in_len + out_len
     out["hf_generate_static_s"] = dt
     out["hf_generate_static_tok_s"] = total_tokens / dt
@@ -268,13 +265,7 @@ def throughput(args, model_dir, device, res, ceil):
         hf_paged = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="paged|sdpa").to(device).eval()
         gcfg = GenerationConfig(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, eos_token_id=None, pad_token_id=0)
         hf_paged.generate_batch(inputs=prompts[:8], generation_config=gcfg, progress_bar=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        rb = hf_paged.generate_batch(inputs=prompts, generation_config=gcfg, progress_bar=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        rb, dt = _timed(device, lambda: hf_paged.generate_batch(inputs=prompts, generation_config=gcfg, progress_bar=False))
         produced = sum(len(v.generated_tokens) for v in rb.values())
         out["hf_generate_batch_s"] = dt
         out["hf_generate_batch_tok_s"] = produced / dt
