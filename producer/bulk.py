@@ -25,12 +25,9 @@ import redis
 from pydantic import BaseModel, Field
 
 from producer import keys
+from producer.bulk_rq import BULK_QUEUE, RUN_BULK_FUNC, bulk_queue, fetch_job_status, rq_connection
 from producer.schema import Lane
 
-#: the RQ queue bulk orchestration jobs go to (``rq worker pagestream-bulk -S rq.serializers.JSONSerializer``)
-BULK_QUEUE = "pagestream-bulk"
-#: the importable function an RQ worker runs; enqueue it with the bulk id as its only argument
-RUN_BULK_FUNC = "producer.bulk_orchestrator.run_bulk"
 #: orchestrator lease: a dead orchestrator's bulk is picked up again this long after its last heartbeat
 LEASE_S = float(os.environ.get("PAGESTREAM_BULK_LEASE_S", "15"))
 #: re-enqueues of a bulk whose orchestrator keeps dying before the bulk is failed
@@ -79,26 +76,11 @@ def _text(v: Any) -> Any:
     return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
-def bulk_queue(connection: redis.Redis, name: str = BULK_QUEUE):
-    """The RQ queue for orchestration jobs, with the JSON serializer (never pickle)."""
-    from rq import Queue
-    from rq.serializers import JSONSerializer
-
-    return Queue(name, connection=connection, serializer=JSONSerializer)
-
-
-def _rq_connection(conn: redis.Redis) -> redis.Redis:
-    # RQ wants bytes back; our own helpers use decode_responses=True.
-    kwargs = dict(conn.connection_pool.connection_kwargs)
-    kwargs["decode_responses"] = False
-    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=conn.connection_pool.connection_class, **kwargs))
-
-
 def enqueue_run(conn: redis.Redis, bulk_id: str, *, job_id: str | None = None, queue_name: str = BULK_QUEUE) -> str:
     """Enqueue the orchestration job of ``bulk_id`` on RQ; returns the RQ job id."""
     from rq import Retry
 
-    queue = bulk_queue(_rq_connection(conn), queue_name)
+    queue = bulk_queue(rq_connection(conn), queue_name)
     job = queue.enqueue(
         RUN_BULK_FUNC,
         bulk_id,
@@ -260,11 +242,9 @@ def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]
     ``pagestream bulk-worker`` calls this at start and every few seconds, so a
     ``kill -9`` of the RQ worker running a bulk costs one lease period, not the bulk.
     """
-    from rq.exceptions import NoSuchJobError
-    from rq.job import Job, JobStatus
+    from rq.job import JobStatus
 
     rescued = []
-    rq_conn = None
     for bulk_id in list_bulks(conn, limit=1000):
         key = keys.bulk_hash(bulk_id)
         status, rq_job_id = conn.hmget(key, "status", "rq_job_id")
@@ -273,11 +253,7 @@ def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]
         if conn.exists(keys.bulk_lock(bulk_id)):
             continue  # an orchestrator holds the lease
         if rq_job_id:
-            rq_conn = rq_conn or _rq_connection(conn)
-            try:
-                st = Job.fetch(_text(rq_job_id), connection=rq_conn).get_status()
-            except NoSuchJobError:
-                st = None
+            st = fetch_job_status(conn, _text(rq_job_id))
             if st in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
                 continue
             if st == JobStatus.STARTED and time.time() - _heartbeat_at(conn, bulk_id) < LEASE_S:

@@ -44,7 +44,7 @@ def rq_burst(url: str) -> None:
 
     conn = redis.Redis.from_url(url)
     q = bulk_queue(conn)
-    SimpleWorker([q], connection=conn, serializer=q.serializer).work(burst=True)
+    SimpleWorker([q], connection=conn, serializer=q.serializer, job_class=q.job_class).work(burst=True)
 
 
 def write_input(path, n: int, bad_every: int = 0) -> dict[str, str]:
@@ -272,7 +272,7 @@ def test_cli_submit_wait_status_cancel_with_plain_rq_worker(redis_url, tmp_path)
     standin.start()
     rq_exe = str(Path(sys.executable).with_name("rq"))
     rq_proc = subprocess.Popen([rq_exe, "worker", BULK_QUEUE, "--url", redis_url, "--burst", "-S",
-                                "rq.serializers.JSONSerializer"], env={**os.environ, "PYTHONPATH": os.getcwd()},
+                                "rq.serializers.JSONSerializer", "--job-class", "producer.bulk_rq.BulkJob"], env={**os.environ, "PYTHONPATH": os.getcwd()},
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         runner = CliRunner()

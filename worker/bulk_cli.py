@@ -17,6 +17,7 @@ import redis
 import typer
 
 from producer.bulk import BULK_QUEUE, BulkStatus, cancel_bulk, dumps_status, get_bulk, rescue_stalled, submit_bulk
+from producer.redaction import install_log_redaction
 
 bulk_app = typer.Typer(help="Bulk dataset generation: OpenAI-batch JSONL in, sharded JSONL out.", no_args_is_help=True)
 
@@ -120,7 +121,7 @@ def bulk_worker(
     rescue_interval_s: float = typer.Option(5.0, "--rescue-interval-s", help="how often to look for stalled bulks"),
     s3_endpoint_url: str = _S3_ENDPOINT,
 ) -> None:
-    """Run the RQ worker for bulk orchestration jobs (``rq worker pagestream-bulk -S rq.serializers.JSONSerializer`` works too).
+    """Run the RQ worker for bulk orchestration jobs (plain ``rq worker`` works too when given the same serializer and job class: see ``producer/bulk_rq.py``).
 
     Besides running jobs it re-enqueues bulks whose orchestrator died (lease expired).
     """
@@ -129,6 +130,7 @@ def bulk_worker(
     from producer.bulk import bulk_queue
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    install_log_redaction()
     if s3_endpoint_url:
         os.environ["S3_ENDPOINT_URL"] = s3_endpoint_url
     conn = redis.Redis.from_url(redis_url)  # RQ wants bytes responses
@@ -147,8 +149,8 @@ def bulk_worker(
     threading.Thread(target=rescue_loop, name="bulk-rescue", daemon=True).start()
     # SimpleWorker: the orchestrator is I/O bound and holds no GPU, and a single process
     # means kill -9 takes the orchestrator with it (no orphaned work horse).
-    worker = SimpleWorker([bulk_queue(conn, queue)], connection=conn, name=name,
-                          serializer=bulk_queue(conn, queue).serializer)
+    q = bulk_queue(conn, queue)
+    worker = SimpleWorker([q], connection=conn, name=name, serializer=q.serializer, job_class=q.job_class)
     try:
         worker.work(burst=burst, logging_level="INFO")
     finally:

@@ -13,6 +13,8 @@ from typing import Optional
 
 import typer
 
+from producer.redaction import install_log_redaction, redact_url
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="pagestream: queue-fed LLM batch inference.")
 
 RedisUrl = typer.Option(None, "--redis-url", envvar="REDIS_URL", help="Redis URL (default: $REDIS_URL or redis://localhost:6379/0)")
@@ -70,6 +72,7 @@ def worker(
     from worker.worker import Worker
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
     overrides = {
         "redis_url": redis_url, "model": model, "device": device, "max_num_seqs": max_num_seqs,
         "max_model_len": max_model_len, "consumer": consumer, "lanes": lanes, "lease_ms": lease_ms,
@@ -82,7 +85,7 @@ def worker(
     w = Worker(client, engine, settings)
     if metrics_port:
         w.metrics.serve(metrics_port)
-    logging.getLogger("pagestream").info("worker %s ready on %s (lanes %s)", settings.consumer, settings.redis_url, settings.lanes)
+    logging.getLogger("pagestream").info("worker %s ready on %s (lanes %s)", settings.consumer, redact_url(settings.redis_url), settings.lanes)
     print(f"worker {settings.consumer} ready", flush=True)
     w.run(burst=burst)
     print(f"worker {settings.consumer} stopped after {w.num_steps} steps, {w.num_completed} jobs", flush=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 import redis
 
 from producer import Producer
+from producer.redaction import redact_url
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +92,7 @@ def main() -> None:
     url, embedded = ensure_redis()
     model = ensure_smollm2()
     consumer = f"demo-{os.getpid()}"
-    print(f"[demo] redis {url}, model {model}")
+    print(f"[demo] redis {redact_url(url)}, model {model}")
     worker = subprocess.Popen(
         [sys.executable, "-m", "worker.cli", "worker", "--redis-url", url, "--model", str(model), "--device", "cpu",
          "--max-num-seqs", "4", "--consumer", consumer, "--log-level", "WARNING"],

@@ -1,0 +1,81 @@
+"""The RQ side of bulks, locked down: the bulk queue runs pagestream's orchestrator and nothing else.
+
+Anyone who can write to Redis can enqueue an RQ job, and RQ imports and calls whatever
+function a job names (``subprocess.check_call`` included), and unpickles a job's
+``meta`` unless told otherwise. So the bulk queue uses the JSON serializer everywhere
+(enqueue, fetch, worker) and ``BulkJob``, whose ``func`` resolves only the names in
+``ALLOWED_FUNCS``, on no instance, with no callbacks. A job naming anything else fails
+in the worker with ``UnsafeJobError`` before any import happens.
+
+Plain ``rq`` works too when told the same: ``rq worker pagestream-bulk
+-S rq.serializers.JSONSerializer --job-class producer.bulk_rq.BulkJob``.
+"""
+from __future__ import annotations
+
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+#: the RQ queue bulk orchestration jobs go to
+BULK_QUEUE = "pagestream-bulk"
+#: the importable function an RQ worker runs; enqueue it with the bulk id as its only argument
+RUN_BULK_FUNC = "producer.bulk_orchestrator.run_bulk"
+#: every function a bulk-queue job may name
+ALLOWED_FUNCS = frozenset({RUN_BULK_FUNC})
+
+
+class UnsafeJobError(RuntimeError):
+    """An RQ job on the bulk queue named something other than pagestream's orchestrator."""
+
+
+class BulkJob(Job):
+    """RQ job class for the bulk queue: resolves only ``ALLOWED_FUNCS`` and never a callback."""
+
+    @property
+    def func(self):
+        name = self.func_name
+        if self.instance is not None or name not in ALLOWED_FUNCS:
+            raise UnsafeJobError(f"refusing to run {name!r}: the bulk queue runs only {sorted(ALLOWED_FUNCS)}")
+        return super().func
+
+    # Callbacks are importable names too; pagestream never sets any, so none is ever resolved.
+    @property
+    def success_callback(self):
+        return None
+
+    @property
+    def failure_callback(self):
+        return None
+
+    @property
+    def stopped_callback(self):
+        return None
+
+
+def rq_connection(conn: redis.Redis) -> redis.Redis:
+    """A client for RQ on the same server as ``conn``: RQ wants bytes back, our helpers decode."""
+    kwargs = dict(conn.connection_pool.connection_kwargs)
+    kwargs["decode_responses"] = False
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=conn.connection_pool.connection_class, **kwargs))
+
+
+def bulk_queue(connection: redis.Redis, name: str = BULK_QUEUE) -> Queue:
+    """The RQ queue for orchestration jobs: JSON serializer (never pickle), ``BulkJob`` jobs."""
+    return Queue(name, connection=connection, serializer=JSONSerializer, job_class=BulkJob)
+
+
+def fetch_job_status(conn: redis.Redis, rq_job_id: str):
+    """The RQ status of a bulk's orchestration job, or ``None`` when it is gone or unreadable.
+
+    Read with the JSON serializer: a job hash planted with a pickled ``meta`` fails to
+    decode here instead of running code.
+    """
+    from rq.exceptions import NoSuchJobError
+
+    try:
+        return BulkJob.fetch(rq_job_id, connection=rq_connection(conn), serializer=JSONSerializer).get_status()
+    except NoSuchJobError:
+        return None
+    except (ValueError, TypeError, RecursionError, UnicodeDecodeError):
+        return None  # not a job pagestream wrote
