@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def write_input(path: Path, n: int, bad_every: int) -> int:
@@ -67,14 +66,14 @@ def main() -> None:
 
     import redis
 
-    from producer.bulk import get_bulk, submit_bulk
+    from pagestream.producer.bulk import get_bulk, submit_bulk
 
     r = redis.Redis.from_url(args.redis_url, decode_responses=True)
     r.flushdb()
     tmp = Path(tempfile.mkdtemp(prefix="bulk-bench-"))
     inp = tmp / "in.jsonl"
     n_bad = write_input(inp, args.lines, args.bad_every)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PAGESTREAM_BULK_FLUSH_LINES": str(args.flush_lines),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "PAGESTREAM_BULK_FLUSH_LINES": str(args.flush_lines),
            "PAGESTREAM_BULK_FLUSH_INTERVAL_S": "1"}
     procs: list[subprocess.Popen] = []
     moto = None

@@ -27,8 +27,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine import LLM, SamplingParams
-    from engine.smollm2 import ensure_smollm2
+    from pagestream.engine import LLM, SamplingParams
+    from pagestream.engine.smollm2 import ensure_smollm2
 
     model_dir = ensure_smollm2()
     tok = AutoTokenizer.from_pretrained(model_dir)

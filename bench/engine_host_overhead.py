@@ -37,8 +37,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     args = ap.parse_args()
 
-    from engine import LLM, SamplingParams
-    from engine.testing import write_tiny_model
+    from pagestream.engine import LLM, SamplingParams
+    from pagestream.engine.testing import write_tiny_model
 
     model_dir = write_tiny_model(tempfile.mkdtemp(prefix="pagestream-tiny-"), "llama")  # no tokenizer
     llm = LLM(model_dir, device="cpu", max_num_seqs=args.num_seqs, max_model_len=1024,

@@ -21,7 +21,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
@@ -78,9 +77,9 @@ def write_model(shape: str, path: str, device) -> None:
 
 def first_step_logits(llm, prompt_ids):
     """The engine's logits for the last prompt position (one prefill through the runner)."""
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import SchedulerOutput
-    from engine.sequence import Sequence
+    from pagestream.engine.sampling_params import SamplingParams
+    from pagestream.engine.scheduler import SchedulerOutput
+    from pagestream.engine.sequence import Sequence
 
     eng = llm.llm_engine
     seq = Sequence("probe", "probe", 0, list(prompt_ids), len(prompt_ids), SamplingParams(), 0)
@@ -120,7 +119,7 @@ def bf16_tie(scores_row: torch.Tensor) -> bool:
 
 
 def engine_run(model_dir, device, dtype, prompts, n_new, args):
-    from engine import LLM, SamplingParams
+    from pagestream.engine import LLM, SamplingParams
 
     llm = LLM(model_dir, device=device.type, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=4096,
               enforce_eager=args.enforce_eager)
@@ -219,7 +218,7 @@ def floor_seconds(cfg: dict, num_prompts: int, in_len: int, out_len: int, ceil: 
 
 
 def throughput(args, model_dir, device, res, ceil):
-    from engine import LLM, SamplingParams
+    from pagestream.engine import LLM, SamplingParams
 
     n, in_len, out_len = args.tput_prompts, args.input_len, args.output_len
     gen = torch.Generator().manual_seed(2)

@@ -18,14 +18,13 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `kernels`
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import reference as R  # noqa: E402
+from pagestream import kernels  # noqa: E402
+from pagestream.kernels import reference as R  # noqa: E402
 
 DEV = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: smoke test of the checks
 MAX_CTX = int(os.environ.get("BENCH_CHECK_MAX_CTX", "3000"))

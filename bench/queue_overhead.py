@@ -30,11 +30,10 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
-from producer import Producer, keys  # noqa: E402
+from pagestream.producer import Producer, keys  # noqa: E402
 
 
 def redis_benchmark_floor(url: str, n: int) -> dict[str, float]:
@@ -75,9 +74,9 @@ def redis_py_floor(url: str, n: int) -> dict[str, float]:
 
 
 def throughput(url: str, num_jobs: int, max_tokens: int, max_num_seqs: int, interval_ms: float) -> dict[str, float]:
-    from worker.fake_engine import FakeConfig, FakeEngine
-    from worker.settings import WorkerSettings
-    from worker.worker import Worker
+    from pagestream.worker.fake_engine import FakeConfig, FakeEngine
+    from pagestream.worker.settings import WorkerSettings
+    from pagestream.worker.worker import Worker
 
     r = redis.Redis.from_url(url)
     r.flushdb()
@@ -143,7 +142,7 @@ def latency(url: str, num_jobs: int, rate_per_s: float, max_num_seqs: int, inter
     log_path = Path(tempfile.mkdtemp(prefix="ps-bench-")) / "worker.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "worker", "--redis-url", url, "--model", "fake", "--consumer", "bench-lat",
+        [sys.executable, "-m", "pagestream.worker.cli", "worker", "--redis-url", url, "--model", "fake", "--consumer", "bench-lat",
          "--max-num-seqs", str(max_num_seqs), "--publish-interval-ms", str(interval_ms), "--log-level", "WARNING"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
     )

@@ -19,7 +19,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from pagestream.engine.sequence import Sequence
 
 BlockHash = bytes
 

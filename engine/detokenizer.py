@@ -9,7 +9,7 @@ Fast (Rust) tokenizers decode one token per call through ``tokenizers``'
 """
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from pagestream.engine.sampling_params import SamplingParams
 
 
 class IncrementalDetokenizer:

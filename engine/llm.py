@@ -4,10 +4,10 @@ from __future__ import annotations
 import itertools
 from typing import Sequence as Seq
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from pagestream.engine.config import EngineConfig
+from pagestream.engine.llm_engine import LLMEngine
+from pagestream.engine.outputs import CompletionOutput, RequestOutput
+from pagestream.engine.sampling_params import SamplingParams
 
 
 class LLM:

@@ -8,13 +8,13 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from pagestream.engine.block_manager import BlockManager
+from pagestream.engine.config import EngineConfig
+from pagestream.engine.detokenizer import IncrementalDetokenizer
+from pagestream.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from pagestream.engine.sampling_params import SamplingParams
+from pagestream.engine.scheduler import Scheduler
+from pagestream.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
-        from engine.model_runner import ModelRunner  # torch lives below this line
+        from pagestream.engine.model_runner import ModelRunner  # torch lives below this line
 
         self.config = config if config is not None else EngineConfig(**kwargs)
         self.tokenizer = _load_tokenizer(self.config.tokenizer_path)

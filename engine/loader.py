@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.models.llama import LlamaForCausalLM
+from pagestream.engine.models.llama import LlamaForCausalLM
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,

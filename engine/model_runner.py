@@ -7,13 +7,13 @@ import logging
 import numpy as np
 import torch
 
-from engine.config import EngineConfig
-from engine.layers.attention import AttentionMetadata
-from engine.loader import build_model
-from engine.sampler import Sampler, SamplerOutput
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
-from kernels.reference import compute_cos_sin_cache
+from pagestream.engine.config import EngineConfig
+from pagestream.engine.layers.attention import AttentionMetadata
+from pagestream.engine.loader import build_model
+from pagestream.engine.sampler import Sampler, SamplerOutput
+from pagestream.engine.scheduler import SchedulerOutput
+from pagestream.engine.sequence import Sequence
+from pagestream.kernels.reference import compute_cos_sin_cache
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import Sequence
+from pagestream.engine.sequence import Sequence
 
 
 def seeded_draw_seed(seed: int, sample_index: int, token_index: int) -> int:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from pagestream.engine.block_manager import BlockManager
+from pagestream.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

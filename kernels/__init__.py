@@ -1,6 +1,6 @@
 """Triton kernels for the paged-KV engine, each with a torch reference in `kernels.reference`.
 
-    from kernels import paged_decode_attention, paged_prefill_attention, store_kvcache, rms_norm, rotary_embedding
+    from pagestream.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache, rms_norm, rotary_embedding
 
 These names are the Triton wrappers (CUDA tensors; CPU only under
 TRITON_INTERPRET=1); `kernels.reference` holds the same functions in plain
@@ -16,11 +16,11 @@ import torch
 
 # Imported eagerly, after which each name below is the function and no longer
 # the submodule of the same name (`kernels.rms_norm` is callable).
-from kernels.paged_decode_attention import paged_decode_attention
-from kernels.paged_prefill_attention import paged_prefill_attention
-from kernels.rms_norm import rms_norm
-from kernels.rotary import rotary_embedding
-from kernels.store_kvcache import store_kvcache
+from pagestream.kernels.paged_decode_attention import paged_decode_attention
+from pagestream.kernels.paged_prefill_attention import paged_prefill_attention
+from pagestream.kernels.rms_norm import rms_norm
+from pagestream.kernels.rotary import rotary_embedding
+from pagestream.kernels.store_kvcache import store_kvcache
 
 __all__ = [
     "use_triton",

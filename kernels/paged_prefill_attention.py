@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (
+from pagestream.kernels._checks import (
     check_block_size,
     check_head_dim,
     check_last_dim_contiguous,

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_last_dim_contiguous, check_out, check_same_device, check_tensor, next_pow2
+from pagestream.kernels._checks import check_last_dim_contiguous, check_out, check_same_device, check_tensor, next_pow2
 
 
 @triton.jit

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (
+from pagestream.kernels._checks import (
     INDEX_DTYPES,
     check_head_dim,
     check_last_dim_contiguous,

@@ -1,6 +1,6 @@
 """Producer side of pagestream: job schema, Redis key names, clients. Never imports torch."""
-from producer.client import AsyncProducer, JobNotFound, Producer
-from producer.schema import (
+from pagestream.producer.client import AsyncProducer, JobNotFound, Producer
+from pagestream.producer.schema import (
     ChatMessage,
     JobRequest,
     JobResult,

@@ -24,9 +24,9 @@ from typing import Any
 import redis
 from pydantic import BaseModel, Field
 
-from producer import keys
-from producer.bulk_rq import BULK_QUEUE, RUN_BULK_FUNC, bulk_queue, fetch_job_status, rq_connection
-from producer.schema import Lane
+from pagestream.producer import keys
+from pagestream.producer.bulk_rq import BULK_QUEUE, RUN_BULK_FUNC, bulk_queue, fetch_job_status, rq_connection
+from pagestream.producer.schema import Lane
 
 #: orchestrator lease: a dead orchestrator's bulk is picked up again this long after its last heartbeat
 LEASE_S = float(os.environ.get("PAGESTREAM_BULK_LEASE_S", "15"))

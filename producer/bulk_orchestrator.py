@@ -27,13 +27,13 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from producer import keys
-from producer.bulk import LEASE_S, BulkSpec, BulkStatus, load_spec, request_counts
-from producer.bulk_finalize import PARTS_PREFIX, compact, list_parts, manifest_header, remove_parts
-from producer.bulk_io import BadLine, BulkRequest, bad_line_entry, parse_line, request_id
-from producer.bulk_storage import StorageError, StorageSettings, open_input, open_storage
-from producer.client import Producer
-from producer.schema import JobRequest, OutputTarget
+from pagestream.producer import keys
+from pagestream.producer.bulk import LEASE_S, BulkSpec, BulkStatus, load_spec, request_counts
+from pagestream.producer.bulk_finalize import PARTS_PREFIX, compact, list_parts, manifest_header, remove_parts
+from pagestream.producer.bulk_io import BadLine, BulkRequest, bad_line_entry, parse_line, request_id
+from pagestream.producer.bulk_storage import StorageError, StorageSettings, open_input, open_storage
+from pagestream.producer.client import Producer
+from pagestream.producer.schema import JobRequest, OutputTarget
 
 log = logging.getLogger(__name__)
 

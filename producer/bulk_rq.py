@@ -20,7 +20,7 @@ from rq.serializers import JSONSerializer
 #: the RQ queue bulk orchestration jobs go to
 BULK_QUEUE = "pagestream-bulk"
 #: the importable function an RQ worker runs; enqueue it with the bulk id as its only argument
-RUN_BULK_FUNC = "producer.bulk_orchestrator.run_bulk"
+RUN_BULK_FUNC = "pagestream.producer.bulk_orchestrator.run_bulk"
 #: every function a bulk-queue job may name
 ALLOWED_FUNCS = frozenset({RUN_BULK_FUNC})
 

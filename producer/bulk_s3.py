@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable, Iterator
 from urllib.parse import urlparse
 
-from producer.bulk_storage import (
+from pagestream.producer.bulk_storage import (
     _READ_CHUNK_BYTES,
     ConflictError,
     ObjectInfo,

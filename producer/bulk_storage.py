@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlparse
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 if TYPE_CHECKING:
-    from producer.bulk_s3 import S3Storage
+    from pagestream.producer.bulk_s3 import S3Storage
 
 _READ_CHUNK_BYTES = 1024 * 1024
 
@@ -203,7 +203,7 @@ Storage = Union[LocalStorage, "S3Storage"]
 def open_storage(uri: str, settings: StorageSettings | None = None, client=None) -> Storage:
     """The storage for a bulk output URI: ``s3://bucket/prefix``, ``file:///dir`` or a plain path."""
     if is_s3(uri):
-        from producer.bulk_s3 import S3Storage
+        from pagestream.producer.bulk_s3 import S3Storage
 
         return S3Storage(uri, settings=settings, client=client)
     if "://" in uri and not uri.startswith("file://"):
@@ -214,7 +214,7 @@ def open_storage(uri: str, settings: StorageSettings | None = None, client=None)
 def open_input(uri: str, settings: StorageSettings | None = None) -> tuple[Storage, str]:
     """(storage, object name) for an input file URI, so it can be streamed with ``open_lines``."""
     if is_s3(uri):
-        from producer.bulk_s3 import S3Storage, split_s3_uri
+        from pagestream.producer.bulk_s3 import S3Storage, split_s3_uri
 
         bucket, key = split_s3_uri(uri)
         if not key:

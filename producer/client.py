@@ -15,9 +15,9 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from producer import keys
-from producer.schema import JobRequest, JobResult, JobStatus, TokenEvent
-from producer.wire import EventDeduper, decode_out_entry, job_fields
+from pagestream.producer import keys
+from pagestream.producer.schema import JobRequest, JobResult, JobStatus, TokenEvent
+from pagestream.producer.wire import EventDeduper, decode_out_entry, job_fields
 
 # KEYS: job hash, lane stream. ARGV: job json, lane, created_at, result_ttl_s
 _SUBMIT_LUA = """

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from producer.schema import JobRequest, TokenEvent
+from pagestream.producer.schema import JobRequest, TokenEvent
 
 #: field of a lane-stream entry holding the JobRequest JSON
 JOB_FIELD = "job"

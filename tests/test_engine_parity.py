@@ -8,7 +8,7 @@ step (vLLM's check_logprobs_close idea) and the test reports how often.
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pagestream.engine import LLM, SamplingParams
 
 TIE_GAP = 1e-4
 MAX_TOKENS = 24

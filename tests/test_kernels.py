@@ -20,8 +20,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 import pytest  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import reference as R  # noqa: E402
+from pagestream import kernels  # noqa: E402
+from pagestream.kernels import reference as R  # noqa: E402
 
 if INTERPRET:
     # tests/conftest.py sets TRITON_INTERPRET=1 before any test module can import

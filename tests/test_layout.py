@@ -13,14 +13,38 @@ FORBIDDEN = {
 }
 
 
+def _top(module: str) -> str:
+    """The package an import names: ``pagestream.engine.config`` -> ``engine``, ``torch.nn`` -> ``torch``."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "pagestream" and len(parts) > 1 else parts[0]
+
+
 def imported_modules(path):
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield alias.name.split(".")[0], node.lineno
+                yield _top(alias.name), node.lineno
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.module.split(".")[0], node.lineno
+            if node.module == "pagestream":
+                for alias in node.names:
+                    yield alias.name, node.lineno
+            else:
+                yield _top(node.module), node.lineno
+
+
+def test_every_import_goes_through_the_pagestream_root():
+    """``import engine`` would load a second copy of the package beside ``pagestream.engine``."""
+    bad = []
+    for package in ("engine", "producer", "worker", "kernels", "tests", "bench"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                        if n.split(".")[0] in FORBIDDEN or n.split(".")[0] == "worker"]
+    assert not bad, "\n".join(bad)
 
 
 def test_packages_import_only_what_the_architecture_allows():
@@ -41,12 +65,12 @@ def _modules_after(code):
 
 
 def test_a_producer_only_install_never_loads_torch():
-    loaded = _modules_after("import producer, producer.client, producer.schema")
+    loaded = _modules_after("import pagestream.producer, pagestream.producer.client, pagestream.producer.schema; from pagestream import Producer")
     assert "torch" not in loaded and "transformers" not in loaded, loaded
 
 
 def test_the_engine_package_loads_no_queue_libraries():
-    loaded = _modules_after("import engine, engine.llm_engine, engine.model_runner")
+    loaded = _modules_after("import pagestream.engine, pagestream.engine.llm_engine, pagestream.engine.model_runner")
     assert "redis" not in loaded and "pydantic" not in loaded and "boto3" not in loaded, loaded
 
 

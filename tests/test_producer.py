@@ -7,9 +7,9 @@ import json
 import pytest
 import redis
 
-from producer import AsyncProducer, JobNotFound, JobRequest, JobStatus
-from producer import keys
-from producer.wire import token_event_fields, end_fields
+from pagestream.producer import AsyncProducer, JobNotFound, JobRequest, JobStatus
+from pagestream.producer import keys
+from pagestream.producer.wire import token_event_fields, end_fields
 
 
 def test_schema_roundtrip_and_flat_sampling():
@@ -128,13 +128,13 @@ def test_submit_takes_a_jobrequest_or_a_dict_as_the_issue_documents(producer, r)
 
 
 def test_bulk_keys_live_in_producer_keys_with_one_hash_tag_per_bulk(redis_url):
-    """producer.keys names every key a bulk writes, with the key strings bulks already in Redis use."""
+    """pagestream.producer.keys names every key a bulk writes, with the key strings bulks already in Redis use."""
     import importlib
 
-    from producer.bulk import cancel_bulk, create_bulk
+    from pagestream.producer.bulk import cancel_bulk, create_bulk
 
     with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("producer.bulk_keys")
+        importlib.import_module("pagestream.producer.bulk_keys")
     bid = "b-keys"
     assert keys.bulk_hash(bid) == "ps:bulk:{b-keys}"
     assert [keys.bulk_done_set(bid), keys.bulk_seen_hash(bid), keys.bulk_lock(bid), keys.bulk_rescue_marker(bid),

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from producer import JobStatus, Producer
-from producer import keys
+from pagestream.producer import JobStatus, Producer
+from pagestream.producer import keys
 from tests.queue_helpers import ROOT, WorkerProc, assert_contiguous, pending_of, wait_for
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def workers(tmp_path):
 
 @pytest.fixture(scope="module")
 def reference_llm(tiny_llama_dir):
-    from engine import LLM
+    from pagestream.engine import LLM
 
     return LLM(tiny_llama_dir, device="cpu", max_num_seqs=8, seed=0)
 
@@ -57,7 +57,7 @@ def _spec(i: int, max_tokens: int) -> dict:
 
 
 def _reference_texts(llm, specs: list[dict]) -> dict[str, tuple[str, list[int]]]:
-    from engine import SamplingParams
+    from pagestream.engine import SamplingParams
 
     out = {}
     for s in specs:
@@ -72,7 +72,7 @@ def _reference_texts(llm, specs: list[dict]) -> dict[str, tuple[str, list[int]]]
 
 _SUBMITTER = """
 import json, sys
-from producer import Producer
+from pagestream.producer import Producer
 p = Producer.from_url(sys.argv[1])
 ids = p.submit_many(json.loads(sys.argv[2]))
 print(len(ids))
@@ -226,7 +226,7 @@ def test_leases_are_kept_alive_while_jobs_run_longer_than_the_lease(r, redis_url
 
 
 def test_cold_stop_on_second_sigterm_hands_jobs_back_and_they_resume(r, redis_url, producer, workers):
-    from worker.fake_engine import FakeEngine
+    from pagestream.worker.fake_engine import FakeEngine
 
     specs = [{"prompt": f"cold {i}", "max_tokens": 150, "seed": i, "job_id": f"cold-{i}"} for i in range(6)]
     producer.submit_many(specs)

@@ -2,7 +2,7 @@
 n samples, min/max tokens, logprobs, penalties."""
 import pytest
 
-from engine import LLM, SamplingParams
+from pagestream.engine import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """Scheduler on tiny pools: continuous batching, chunked prefill, preemption, priority."""
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from pagestream.engine.block_manager import BlockManager
+from pagestream.engine.sampling_params import SamplingParams
+from pagestream.engine.scheduler import Scheduler
+from pagestream.engine.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=64, max_model_len=256, prefix=True):

@@ -18,15 +18,15 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from producer.bulk import BulkStatus, create_bulk, rescue_stalled
-from producer import keys
-from producer.redaction import RedactingFilter, redact, redact_url
+from pagestream.producer.bulk import BulkStatus, create_bulk, rescue_stalled
+from pagestream.producer import keys
+from pagestream.producer.redaction import RedactingFilter, redact, redact_url
 from tests.queue_helpers import ROOT
 
 
 def pagestream(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
+    return subprocess.run([sys.executable, "-m", "pagestream.worker.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
 
 
 def test_bulk_worker_refuses_jobs_naming_other_functions(redis_url, tmp_path):

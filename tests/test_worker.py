@@ -13,12 +13,12 @@ import time
 import pytest
 import redis
 
-from producer import JobStatus
-from producer import keys
+from pagestream.producer import JobStatus
+from pagestream.producer import keys
 from tests.queue_helpers import assert_contiguous, wait_for
-from worker.fake_engine import FakeConfig, FakeEngine
-from worker.settings import WorkerSettings
-from worker.worker import Worker
+from pagestream.worker.fake_engine import FakeConfig, FakeEngine
+from pagestream.worker.settings import WorkerSettings
+from pagestream.worker.worker import Worker
 
 
 def make_worker(r, redis_url, engine=None, **kw) -> Worker:
@@ -152,7 +152,7 @@ def test_pel_never_exceeds_admission_plus_prefetch(r, redis_url, producer):
 
 
 def test_cancel_running_job_stops_within_one_step_and_frees_blocks(r, redis_url, producer, tiny_llama_dir):
-    from engine import EngineConfig, LLMEngine
+    from pagestream.engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(model=tiny_llama_dir, device="cpu", max_num_seqs=4, seed=0))
     total = engine.stats().num_total_blocks
@@ -206,7 +206,7 @@ def test_worker_reconnects_when_redis_drops_its_connections(r, redis_url, produc
 
 
 def test_trim_drops_acked_entries_but_never_the_pending_backlog(r, redis_url):
-    from worker.consumer import Consumer
+    from pagestream.worker.consumer import Consumer
 
     stream = keys.jobs_stream("normal")
     ids = [r.xadd(stream, {"job": b"{}"}).decode() for _ in range(10)]
@@ -378,7 +378,7 @@ class _CountingEngine(FakeEngine):
 
 
 def _bulk(redis_url, tmp_path, bulk_id: str) -> str:
-    from producer.bulk import create_bulk
+    from pagestream.producer.bulk import create_bulk
 
     c = redis.Redis.from_url(redis_url, decode_responses=True)
     create_bulk(str(tmp_path / "in.jsonl"), str(tmp_path / bulk_id), connection=c, bulk_id=bulk_id)
@@ -393,9 +393,9 @@ def _bulk_job(bulk_id: str, i: int, tmp_path) -> dict:
 
 
 def test_jobs_of_a_cancelled_bulk_are_acked_without_reaching_the_engine(r, redis_url, producer, tmp_path):
-    from producer.bulk import cancel_bulk
-    from producer.schema import JobRequest
-    from producer.wire import job_fields
+    from pagestream.producer.bulk import cancel_bulk
+    from pagestream.producer.schema import JobRequest
+    from pagestream.producer.wire import job_fields
 
     live, dead = _bulk(redis_url, tmp_path, "b-live"), _bulk(redis_url, tmp_path, "b-dead")
     n = 20
@@ -424,8 +424,8 @@ def test_jobs_of_a_cancelled_bulk_are_acked_without_reaching_the_engine(r, redis
 
 
 def test_sink_that_cannot_write_stops_pulling_and_bounds_the_pel(r, redis_url, producer, tmp_path):
-    from producer.bulk_storage import StorageError
-    from worker.bulk_sink import BulkSink
+    from pagestream.producer.bulk_storage import StorageError
+    from pagestream.worker.bulk_sink import BulkSink
 
     class FailingStorage:
         def __init__(self):

@@ -2,7 +2,7 @@
 
 ``worker/cli.py`` mounts these:
 
-    from worker.bulk_cli import bulk_app, bulk_worker
+    from pagestream.worker.bulk_cli import bulk_app, bulk_worker
     app.add_typer(bulk_app, name="bulk")
     app.command("bulk-worker")(bulk_worker)
 """
@@ -16,8 +16,8 @@ import time
 import redis
 import typer
 
-from producer.bulk import BULK_QUEUE, BulkStatus, cancel_bulk, dumps_status, get_bulk, rescue_stalled, submit_bulk
-from producer.redaction import install_log_redaction
+from pagestream.producer.bulk import BULK_QUEUE, BulkStatus, cancel_bulk, dumps_status, get_bulk, rescue_stalled, submit_bulk
+from pagestream.producer.redaction import install_log_redaction
 
 bulk_app = typer.Typer(help="Bulk dataset generation: OpenAI-batch JSONL in, sharded JSONL out.", no_args_is_help=True)
 
@@ -127,7 +127,7 @@ def bulk_worker(
     """
     from rq import SimpleWorker
 
-    from producer.bulk import bulk_queue
+    from pagestream.producer.bulk import bulk_queue
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     install_log_redaction()

@@ -19,8 +19,8 @@ from collections.abc import Iterable
 
 import redis
 
-from producer import keys
-from producer.bulk import BulkStatus, bulk_is_live
+from pagestream.producer import keys
+from pagestream.producer.bulk import BulkStatus, bulk_is_live
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ from typing import Any
 
 import redis
 
-from producer.schema import JobRequest, JobResult, JobStatus
-from worker.bulk_gate import BulkGate
-from worker.consumer import Delivery
-from worker.jobs import ActiveJob
-from worker.publisher import Final
-from worker.settings import WorkerSettings
+from pagestream.producer.schema import JobRequest, JobResult, JobStatus
+from pagestream.worker.bulk_gate import BulkGate
+from pagestream.worker.consumer import Delivery
+from pagestream.worker.jobs import ActiveJob
+from pagestream.worker.publisher import Final
+from pagestream.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class BulkJobs:
     def _get_sink(self) -> Any:
         if self.sink is None and self.error is None:
             try:
-                from worker.bulk_sink import BulkSink
+                from pagestream.worker.bulk_sink import BulkSink
             except ImportError as exc:
                 self.error = f"bulk output is not available in this worker (worker.bulk_sink: {exc})"
                 return None

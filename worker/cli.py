@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from producer.redaction import install_log_redaction, redact_url
+from pagestream.producer.redaction import install_log_redaction, redact_url
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="pagestream: queue-fed LLM batch inference.")
 
@@ -30,11 +30,11 @@ def build_engine(settings) -> object:
     if not model:
         raise typer.BadParameter("--model is required (an HF model directory, or 'fake')")
     if model == "fake" or model.startswith("fake:"):
-        from worker.fake_engine import FakeConfig, FakeEngine
+        from pagestream.worker.fake_engine import FakeConfig, FakeEngine
 
         delay_ms = float(model.split(":", 1)[1]) if ":" in model else 0.0
         return FakeEngine(FakeConfig(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len or 512, step_delay_s=delay_ms / 1000))
-    from engine import EngineConfig, LLMEngine
+    from pagestream.engine import EngineConfig, LLMEngine
 
     return LLMEngine(
         EngineConfig(
@@ -68,8 +68,8 @@ def worker(
     """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
     import redis
 
-    from worker.settings import WorkerSettings
-    from worker.worker import Worker
+    from pagestream.worker.settings import WorkerSettings
+    from pagestream.worker.worker import Worker
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
@@ -111,8 +111,8 @@ def submit(
     """Submit one job; print its text (or the result as JSON)."""
     from pydantic import ValidationError
 
-    from producer import Producer
-    from producer.schema import format_validation_error
+    from pagestream.producer import Producer
+    from pagestream.producer.schema import format_validation_error
 
     fields: dict = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, lane=lane, job_id=job_id)
     if chat or system:
@@ -155,8 +155,8 @@ def tail(
     timeout: Optional[float] = typer.Option(None, "--timeout"),
 ) -> None:
     """Follow a job's token stream until it ends."""
-    from producer import Producer
-    from producer.client import JobNotFound
+    from pagestream.producer import Producer
+    from pagestream.producer.client import JobNotFound
 
     with Producer.from_url(_url(redis_url)) as p:
         try:
@@ -184,7 +184,7 @@ def stats(
     """Per lane: length, pending, consumers and their idle time, DLQ size, jobs/s."""
     import redis
 
-    from worker.stats import collect_stats, format_stats
+    from pagestream.worker.stats import collect_stats, format_stats
 
     client = redis.Redis.from_url(_url(redis_url))
     data = collect_stats(client, window_s=window_s)
@@ -192,7 +192,7 @@ def stats(
 
 
 try:  # the bulk commands live with the bulk sink (issue 5)
-    from worker.bulk_cli import bulk_app, bulk_worker
+    from pagestream.worker.bulk_cli import bulk_app, bulk_worker
 
     app.add_typer(bulk_app, name="bulk")
     app.command("bulk-worker")(bulk_worker)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import redis
 
-from producer import keys
-from producer.schema import DeadLetter
-from worker.settings import WorkerSettings
+from pagestream.producer import keys
+from pagestream.producer.schema import DeadLetter
+from pagestream.worker.settings import WorkerSettings
 
 # Keep the idle time of entries this consumer still owns at zero; report those it lost
 # (reclaimed by another consumer after a lease expired). Checking ownership and

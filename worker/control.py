@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from producer import keys
+from pagestream.producer import keys
 
 if TYPE_CHECKING:
-    from worker.worker import Worker
+    from pagestream.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 

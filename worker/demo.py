@@ -20,8 +20,8 @@ from pathlib import Path
 
 import redis
 
-from producer import Producer
-from producer.redaction import redact_url
+from pagestream.producer import Producer
+from pagestream.producer.redaction import redact_url
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,14 +87,14 @@ def _stop(thing: object | None) -> None:
 
 
 def main() -> None:
-    from engine.smollm2 import ensure_smollm2
+    from pagestream.engine.smollm2 import ensure_smollm2
 
     url, embedded = ensure_redis()
     model = ensure_smollm2()
     consumer = f"demo-{os.getpid()}"
     print(f"[demo] redis {redact_url(url)}, model {model}")
     worker = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "worker", "--redis-url", url, "--model", str(model), "--device", "cpu",
+        [sys.executable, "-m", "pagestream.worker.cli", "worker", "--redis-url", url, "--model", str(model), "--device", "cpu",
          "--max-num-seqs", "4", "--consumer", consumer, "--log-level", "WARNING"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

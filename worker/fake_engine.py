@@ -14,8 +14,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
+from pagestream.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from pagestream.engine.sampling_params import SamplingParams
 
 
 @dataclass

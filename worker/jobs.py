@@ -9,10 +9,10 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from producer import keys
-from producer.schema import JOB_ID_PATTERN, JobRequest, OutputTarget, format_validation_error
-from producer.wire import JOB_FIELD, EventDeduper, decode_out_entry
-from worker.consumer import Delivery
+from pagestream.producer import keys
+from pagestream.producer.schema import JOB_ID_PATTERN, JobRequest, OutputTarget, format_validation_error
+from pagestream.producer.wire import JOB_FIELD, EventDeduper, decode_out_entry
+from pagestream.worker.consumer import Delivery
 
 _JOB_ID_RE = re.compile(JOB_ID_PATTERN)
 

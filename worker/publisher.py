@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import redis
 
-from producer import keys
-from producer.schema import JobResult
-from producer.wire import end_fields, token_event_fields
-from worker.consumer import Consumer, Delivery
+from pagestream.producer import keys
+from pagestream.producer.schema import JobResult
+from pagestream.producer.wire import end_fields, token_event_fields
+from pagestream.worker.consumer import Consumer, Delivery
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from producer import keys
+from pagestream.producer import keys
 
 
 def default_consumer_name() -> str:

@@ -6,7 +6,7 @@ from typing import Any
 
 import redis
 
-from producer import keys
+from pagestream.producer import keys
 
 
 def _s(v: Any) -> Any:

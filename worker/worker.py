@@ -26,15 +26,15 @@ from typing import Any
 
 import redis
 
-from producer import keys
-from producer.schema import JobRequest, JobResult, JobStatus, SampleResult
-from worker.bulk_jobs import BulkJobs
-from worker.consumer import Consumer, Delivery
-from worker.control import ControlThread
-from worker.jobs import ActiveJob, InvalidJob, NoAckPipe, SampleOutput, load_history, parse_delivery, salvage
-from worker.metrics import WorkerMetrics
-from worker.publisher import Ack, Delta, Final, Publisher, Start
-from worker.settings import WorkerSettings
+from pagestream.producer import keys
+from pagestream.producer.schema import JobRequest, JobResult, JobStatus, SampleResult
+from pagestream.worker.bulk_jobs import BulkJobs
+from pagestream.worker.consumer import Consumer, Delivery
+from pagestream.worker.control import ControlThread
+from pagestream.worker.jobs import ActiveJob, InvalidJob, NoAckPipe, SampleOutput, load_history, parse_delivery, salvage
+from pagestream.worker.metrics import WorkerMetrics
+from pagestream.worker.publisher import Ack, Delta, Final, Publisher, Start
+from pagestream.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ class Worker:
         return ops
 
     def _sampling_params(self, job: JobRequest) -> Any:
-        from engine.sampling_params import SamplingParams
+        from pagestream.engine.sampling_params import SamplingParams
 
         return SamplingParams(**job.sampling.engine_kwargs())
 

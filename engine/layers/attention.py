@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import kernels
-from kernels import reference
+from pagestream import kernels
+from pagestream.kernels import reference
 
 
 @dataclass(slots=True)

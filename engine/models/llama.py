@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.attention import AttentionMetadata, PagedAttention, kernel_ops
+from pagestream.engine.layers.attention import AttentionMetadata, PagedAttention, kernel_ops
 
 
 class RMSNorm(nn.Module):
