@@ -85,10 +85,10 @@ def first_step_logits(llm, prompt_ids):
     seq = Sequence("probe", "probe", 0, list(prompt_ids), len(prompt_ids), SamplingParams(), 0)
     assert eng.block_manager.allocate_slots(seq, len(prompt_ids))
     try:
-        ids, pos, meta, rows, _ = eng.runner.prepare(SchedulerOutput({seq: len(prompt_ids)}))
+        inp = eng.runner.prepare(SchedulerOutput({seq: len(prompt_ids)}))
         with torch.inference_mode():
-            hidden = eng.runner.model(ids, pos, meta, eng.runner.cos_sin_cache)
-            return eng.runner.model.compute_logits(hidden[rows]).float()[0]
+            hidden = eng.runner.model(inp.input_ids, inp.positions, inp.meta, eng.runner.cos_sin_cache)
+            return eng.runner.model.compute_logits(hidden[inp.sample_rows]).float()[0]
     finally:
         eng.block_manager.free(seq)
 

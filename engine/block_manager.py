@@ -116,7 +116,8 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Make seq's block table cover its computed tokens (plus the prefix hits
         in ``computed_blocks``) and ``num_new_tokens`` more. Returns False, changing
-        nothing, when the pool is short of blocks."""
+        nothing, when the pool is short of blocks. The hits' tokens become computed:
+        the scheduler, which owns the counts, adds them after a success."""
         total = seq.num_computed_tokens + num_new_tokens
         if not computed_blocks and len(seq.block_table) * self.block_size >= total:
             # The common decode step: the token fits in a block seq already holds.
@@ -131,10 +132,7 @@ class BlockManager:
                 del self._free[block_id]
             block.ref_cnt += 1
             seq.block_table.append(block_id)
-        if computed_blocks:
-            seq.num_computed_tokens += len(computed_blocks) * self.block_size
-            seq.num_cached_tokens = len(computed_blocks) * self.block_size
-        total = seq.num_computed_tokens + num_new_tokens
+        total = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         while len(seq.block_table) < self.blocks_needed(total):
             seq.block_table.append(self._pop_free())
         if self.enable_prefix_caching:
@@ -176,7 +174,6 @@ class BlockManager:
             if block.ref_cnt == 0:
                 self._free[block_id] = None
         seq.block_table = []
-        seq.num_computed_tokens = 0
         self._seq_hashes.pop(seq.seq_id, None)
         self._seq_num_cached.pop(seq.seq_id, None)
 

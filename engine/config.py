@@ -35,6 +35,8 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" | "dummy" (random weights at the model's real shapes)
     seed: int = 0
     enforce_eager: bool = False  # on CUDA, decode steps replay captured CUDA graphs unless this is set
+    # plan step N+1 while step N runs on the device (outputs come one step later); False waits for each step
+    async_scheduling: bool = True
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # filled in __post_init__
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)

@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagestream.engine.block_manager import BlockManager
 from pagestream.engine.config import EngineConfig
@@ -15,6 +16,9 @@ from pagestream.engine.outputs import CompletionOutput, EngineStats, RequestOutp
 from pagestream.engine.sampling_params import SamplingParams
 from pagestream.engine.scheduler import Scheduler
 from pagestream.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from pagestream.engine.model_runner import StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +90,12 @@ class LLMEngine:
         self._arrival = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
         self.num_generated_tokens = 0
+        # The step on the device whose sampled tokens the host has not read yet.
+        self._in_flight: StepHandle | None = None
+        # Live requests whose sampling reads the token history (penalties): while any
+        # runs, each step waits for the one before it (see step()).
+        self._num_history_requests = 0
+        self.runner.warm_up()
 
     @property
     def max_model_len(self) -> int:
@@ -174,6 +184,7 @@ class LLMEngine:
         req.pending_logprobs = [[] for _ in range(params.n)]
         req.cumulative_logprob = [0.0] * params.n
         self._requests[request_id] = req
+        self._num_history_requests += params.uses_penalties
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -203,12 +214,16 @@ class LLMEngine:
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
         self._aborted_outputs.append(self._make_output(req))
-        del self._requests[request_id]
+        self._forget(req)
         return True
+
+    def _forget(self, req: _Request) -> None:
+        del self._requests[req.request_id]
+        self._num_history_requests -= req.params.uses_penalties
 
     # ---- the step ------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._aborted_outputs)
+        return bool(self._requests) or bool(self._aborted_outputs) or self._in_flight is not None
 
     def num_admittable(self) -> int:
         """How many new requests the engine would start on now (0 while some still wait)."""
@@ -217,19 +232,40 @@ class LLMEngine:
         return max(0, self.config.max_num_seqs - len(self.scheduler.running))
 
     def step(self) -> list[RequestOutput]:
+        """Plan and launch step N+1, then read step N's tokens while N+1 runs.
+
+        The host's work for a step (scheduling, inputs, detokenization, stop checks,
+        outputs) overlaps the device's: step N+1 is planned counting N's tokens as
+        known, takes them from the device, and the sequences N ended are dropped from
+        N+1's results. Outputs therefore come one step after their forward pass.
+        With ``async_scheduling=False``, or while a request with penalties runs (its
+        sampling reads the host's token history), step N is read before N+1 is planned.
+        """
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        prev = self._in_flight
+        self._in_flight = None
+        if prev is not None and (not self.config.async_scheduling or self._num_history_requests):
+            outputs += self._read_tokens(prev)
+            prev = None
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return outputs
-        seqs, sampled = self.runner.execute(sched)
-        self.scheduler.update_from_output(sched)
+        if not sched.is_empty:
+            self._in_flight = self.runner.execute(sched, prev)
+            self.scheduler.update_from_output(sched)
+        if prev is not None:
+            outputs += self._read_tokens(prev)
+        return outputs
+
+    def _read_tokens(self, step: StepHandle) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and turn them into outputs."""
+        sampled = step.result()
         touched: dict[str, _Request] = {}
         now = time.monotonic()
-        for i, seq in enumerate(seqs):
+        for i, seq in enumerate(step.seqs):
             token = sampled.token_ids[i]
+            if not self.scheduler.append_token(seq, token):
+                continue  # it ended (stop, abort) while this token was on its way
             req = self._requests[seq.request_id]
             req.first_token_time = req.first_token_time or now
-            seq.token_ids.append(token)
             self.num_generated_tokens += 1
             if sampled.logprobs[i] is not None:
                 chosen, top = sampled.logprobs[i]
@@ -237,11 +273,12 @@ class LLMEngine:
                 req.cumulative_logprob[seq.sample_index] += chosen
             self._check_stop(seq, req.detoks[seq.sample_index], token)
             touched[req.request_id] = req
+        outputs = []
         for req in touched.values():
             out = self._make_output(req)
             outputs.append(out)
             if out.finished:
-                del self._requests[req.request_id]
+                self._forget(req)
         return outputs
 
     def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> None:

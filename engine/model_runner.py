@@ -3,19 +3,74 @@ SchedulerOutput, returns sampled token ids."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pagestream.engine.config import EngineConfig
 from pagestream.engine.layers.attention import AttentionMetadata
 from pagestream.engine.loader import build_model
-from pagestream.engine.sampler import Sampler, SamplerOutput
+from pagestream.engine.sampler import HostSample, Sampler, SamplerOutput
 from pagestream.engine.scheduler import SchedulerOutput
 from pagestream.engine.sequence import Sequence
 from pagestream.kernels.reference import compute_cos_sin_cache
 
 logger = logging.getLogger(__name__)
+
+
+_ALIGN = 16  # elements: 64 bytes of int32, 128 of int64
+
+
+def _packed(dtype: torch.dtype, pin: bool, *parts: list[int] | int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One host buffer holding ``parts`` (lists of ints, or an int: that many zeros), each
+    segment aligned; returns the buffer and a view per part."""
+    sizes = [p if isinstance(p, int) else len(p) for p in parts]
+    starts, total = [], 0
+    for n in sizes:
+        starts.append(total)
+        total += -(-n // _ALIGN) * _ALIGN
+    buf = torch.zeros(total, dtype=dtype, pin_memory=pin)
+    arr = buf.numpy()
+    views = []
+    for part, start, n in zip(parts, starts, sizes):
+        if not isinstance(part, int) and n:
+            arr[start : start + n] = part
+        views.append(buf[start : start + n])
+    return buf, views
+
+
+def _same_views(dst: torch.Tensor, src: torch.Tensor, *views: torch.Tensor) -> list[torch.Tensor]:
+    """The views of ``src`` carried over to ``dst``, a copy of it (same offsets and sizes)."""
+    base = src.data_ptr()
+    item = src.element_size()
+    return [dst[(v.data_ptr() - base) // item :][: v.numel()] for v in views]
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's device inputs, as ``ModelRunner.prepare`` lays them out."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sample] int64, rows of the hidden states to sample from
+    sample_seqs: list[Sequence]
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """A launched step. ``seqs`` sampled one token each, row i of ``token_ids`` (on the
+    device, where the next step may read them); ``result()`` waits for the host copy."""
+
+    seqs: list[Sequence]
+    rows: dict[Sequence, int]
+    token_ids: torch.Tensor | None  # [len(seqs)] int64 on the device
+    host: "HostSample | None"
+
+    def result(self) -> SamplerOutput:
+        if self.host is None:
+            return SamplerOutput([], [])
+        return self.host.wait()
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -131,11 +186,6 @@ class ModelRunner:
         logger.info("KV budget %.2f GiB (peak %.2f GiB)", budget / 2**30, peak / 2**30)
         return budget
 
-    # ---- the step ---------------------------------------------------------------
-    def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
-
     # ---- CUDA graphs for decode ------------------------------------------------------
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:
@@ -187,7 +237,13 @@ class ModelRunner:
         graph.replay()
         return hidden[:n]
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
+    # ---- the step ---------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput, prev: "StepHandle | None" = None) -> StepInputs:
+        """Lay the step out in two pinned host buffers and send each with one async copy.
+
+        A decode row whose input token was sampled by ``prev`` (still in flight: the
+        host does not know it yet) takes it from ``prev``'s device tensor instead.
+        """
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -197,12 +253,20 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        gather_dst: list[int] = []
+        gather_src: list[int] = []
+        prev_rows = prev.rows if prev is not None else {}
         max_q = 0
         for seq, n in sched.num_scheduled_tokens.items():
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = seq.block_table
             if n == 1:  # decode: the common case, kept cheap
-                input_ids.append(seq.token_ids[start])
+                if start < seq.num_tokens:
+                    input_ids.append(seq.token_ids[start])
+                else:  # the token is still on the device, sampled by the step in flight
+                    gather_dst.append(len(input_ids))
+                    gather_src.append(prev_rows[seq])
+                    input_ids.append(0)
                 positions.append(start)
                 slot_mapping.append(table[start // bs] * bs + start % bs)
             else:
@@ -213,34 +277,107 @@ class ModelRunner:
             context_lens.append(end)
             tables.append(table)
             max_q = max(max_q, n)
-            if end == seq.num_tokens:
+            if end == seq.num_planned_tokens:
                 sample_rows.append(cu_seqlens[-1] - 1)
                 sample_seqs.append(seq)
-        # Rows are filled into one numpy array: about twice as fast as torch.tensor on padded lists.
-        block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+        n_seq, width = len(tables), max(len(t) for t in tables)
+        pin = self.device.type == "cuda"
+        # Each segment starts on a 64-byte boundary: Triton specialises kernels on 16-byte
+        # pointer alignment, so a misaligned view would compile (and run) another variant.
+        longs, (ids, pos, slots, rows, dst, src) = _packed(
+            torch.long, pin, input_ids, positions, slot_mapping, sample_rows, gather_dst, gather_src)
+        ints, (ctx, cu, bt) = _packed(torch.int32, pin, context_lens, cu_seqlens, n_seq * width)
+        btv = bt.numpy().reshape(n_seq, width)
         for i, table in enumerate(tables):
-            block_tables[i, : len(table)] = table
-        block_tables_t = torch.from_numpy(block_tables)
+            btv[i, : len(table)] = table
+        if pin:
+            dev_longs = longs.to(self.device, non_blocking=True)
+            dev_ints = ints.to(self.device, non_blocking=True)
+            ids, pos, slots, rows, dst, src = _same_views(dev_longs, longs, ids, pos, slots, rows, dst, src)
+            ctx, cu, bt = _same_views(dev_ints, ints, ctx, cu, bt)
+        if gather_dst:
+            ids[dst] = prev.token_ids[src]
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping, torch.long),
-            block_tables=block_tables_t if self.device.type == "cpu" else block_tables_t.to(self.device, non_blocking=True),
-            context_lens=self._tensor(context_lens, torch.int32),
-            cu_seqlens_q=self._tensor(cu_seqlens, torch.int32),
+            slot_mapping=slots,
+            block_tables=bt.view(n_seq, width),
+            context_lens=ctx,
+            cu_seqlens_q=cu,
             max_seqlen_q=max_q,
             decode_only=max_q == 1,
         )
-        return self._tensor(input_ids, torch.long), self._tensor(positions, torch.long), meta, sample_rows, sample_seqs
+        return StepInputs(ids, pos, meta, rows, sample_seqs)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput | None]:
-        """Run one forward pass; sample for the sequences that caught up."""
-        input_ids, positions, meta, sample_rows, sample_seqs = self.prepare(sched)
-        if meta.decode_only and self.graphs and input_ids.shape[0] <= self.graph_sizes[-1]:
-            hidden = self._replay_decode(input_ids, positions, meta)
+    def execute(self, sched: SchedulerOutput, prev: "StepHandle | None" = None) -> "StepHandle":
+        """Launch one forward pass and the sampling of the sequences that caught up.
+
+        Returns at once with the step in flight: its sampled ids stay on the device
+        (the next step may read them) and travel to pinned host memory behind an
+        event; ``StepHandle.result()`` waits for them.
+        """
+        inp = self.prepare(sched, prev)
+        meta = inp.meta
+        if meta.decode_only and self.graphs and inp.input_ids.shape[0] <= self.graph_sizes[-1]:
+            hidden = self._replay_decode(inp.input_ids, inp.positions, meta)
         else:
-            hidden = self.model(input_ids, positions, meta, self.cos_sin_cache)  # [num_tokens, hidden]
-        if not sample_seqs:
-            return [], None
-        rows = self._tensor(sample_rows, torch.long)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_sample, vocab]
-        return sample_seqs, self.sampler(logits, sample_seqs)
+            hidden = self.model(inp.input_ids, inp.positions, meta, self.cos_sin_cache)  # [num_tokens, hidden]
+        if not inp.sample_seqs:
+            return StepHandle([], {}, None, None)
+        logits = self.model.compute_logits(hidden.index_select(0, inp.sample_rows))  # [num_sample, vocab]
+        sampled = self.sampler(logits, inp.sample_seqs)
+        return StepHandle(inp.sample_seqs, {s: i for i, s in enumerate(inp.sample_seqs)}, sampled.token_ids,
+                          sampled.to_host())
+
+    @torch.inference_mode()
+    def _dummy_forward(self, num_tokens: int, num_seqs: int) -> None:
+        """A throw-away step over the real pool: ``num_seqs`` fresh prompts sharing
+        ``num_tokens`` query tokens (decode rows when they are equal). It stores
+        nothing (slot -1) and reads whatever the blocks hold."""
+        dev, bs = self.device, self.block_size
+        q_len = -(-num_tokens // num_seqs)
+        q_lens = [q_len] * (num_seqs - 1) + [num_tokens - q_len * (num_seqs - 1)]
+        if q_lens[-1] < 1:
+            return
+        width = -(-q_len // bs)
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
+            block_tables=(torch.arange(num_seqs * width, device=dev, dtype=torch.int32) % self.num_blocks).view(num_seqs, width),
+            context_lens=torch.tensor(q_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            max_seqlen_q=q_len,
+            decode_only=q_len == 1,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        pos = torch.cat([torch.arange(n, device=dev) for n in q_lens])
+        hidden = self.model(ids, pos, meta, self.cos_sin_cache)
+        rows = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.long, device=dev)
+        self.model.compute_logits(hidden.index_select(0, rows)).float().argmax(dim=-1)
+
+    def warm_up(self) -> None:
+        """Compile and tune, at start-up, what a step can meet: mixed prefill/decode
+        batches of several sizes (Triton specialises on sizes divisible by 16 or not),
+        so the first real call runs at the speed of the tenth."""
+        if self.device.type != "cuda":
+            return
+        cfg = self.config
+        budget = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
+        max_q = min(budget, cfg.max_model_len - 1)
+        seqs = cfg.max_num_seqs
+        shapes = {
+            (budget, max(1, min(seqs, -(-budget // max_q)))),  # the biggest prefill step
+            (budget - 1, max(1, min(seqs, 3, budget - 1))),
+            (min(budget, 16 * 64), min(seqs, 16)),  # 16 prompts: sizes divisible by 16
+            (min(budget, 1000), min(seqs, 7)),
+            (min(budget, 257), 1),
+            (min(budget, 16 + 3), min(seqs, 17)),  # prefill rows mixed with decode rows
+            (min(budget, 17), min(seqs, 17)),  # eager decode, odd batch
+            (min(budget, 16), min(seqs, 16)),
+            (1, 1),
+        }
+        for num_tokens, num_seqs in sorted(shapes):
+            if num_tokens >= num_seqs >= 1:
+                self._dummy_forward(num_tokens, num_seqs)
+        torch.cuda.synchronize(self.device)

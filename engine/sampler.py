@@ -1,5 +1,6 @@
 """Turns logits into tokens: penalties, min_tokens, greedy or temperature/top-k/top-p/min-p,
-per-request seeds, logprobs. One host transfer (the sampled ids) per step."""
+per-request seeds, logprobs. Nothing here waits for the device: the sampled ids (and logprobs)
+go to pinned host memory behind an event, the step's one host transfer."""
 from __future__ import annotations
 
 import hashlib
@@ -24,6 +25,56 @@ class SamplerOutput:
     logprobs: list[tuple[float, dict[int, float]] | None]
 
 
+@dataclass(slots=True)
+class HostSample:
+    """Sampled ids (and logprobs) on their way to pinned host memory; ``wait`` blocks
+    on the copy's event, the step's one device-to-host synchronisation."""
+
+    token_ids: torch.Tensor  # [n] int64, host
+    logprob_k: list[int | None]  # per row: None, or how many top logprobs it asked for
+    chosen: torch.Tensor | None  # [n] float32, host: logprob of the sampled token
+    top_vals: torch.Tensor | None  # [n, k_max] float32, host
+    top_ids: torch.Tensor | None  # [n, k_max] int64, host
+    event: "torch.cuda.Event | None"
+
+    def wait(self) -> SamplerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        token_ids = self.token_ids.tolist()
+        logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(token_ids)
+        if self.chosen is not None:
+            chosen, vals, ids = self.chosen.tolist(), self.top_vals.tolist(), self.top_ids.tolist()
+            for i, k in enumerate(self.logprob_k):
+                if k is None:
+                    continue
+                top = dict(zip(ids[i][:k], vals[i][:k]))
+                top[token_ids[i]] = chosen[i]
+                logprobs[i] = (chosen[i], top)
+        return SamplerOutput(token_ids, logprobs)
+
+
+@dataclass(slots=True)
+class DeviceSample:
+    """What the sampler leaves on the device for one step."""
+
+    token_ids: torch.Tensor  # [n] int64
+    logprob_k: list[int | None]
+    chosen: torch.Tensor | None = None  # [n] float32
+    top_vals: torch.Tensor | None = None  # [n, k_max] float32
+    top_ids: torch.Tensor | None = None  # [n, k_max] int64
+
+    def to_host(self) -> HostSample:
+        """Start the copies to pinned memory (no wait) and mark their end with an event."""
+        tensors = [self.token_ids, self.chosen, self.top_vals, self.top_ids]
+        if self.token_ids.device.type != "cuda":
+            return HostSample(*tensors[:1], self.logprob_k, *tensors[1:], None)
+        host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for t in tensors]
+        event = torch.cuda.Event()
+        event.record()
+        return HostSample(host[0], self.logprob_k, host[1], host[2], host[3], event)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -33,11 +84,18 @@ class Sampler:
         self._seeded = torch.Generator(device=device)
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+        """Sample one token per row without waiting for the device.
+
+        A sequence's next output index is ``num_planned_output_tokens`` (its token
+        from the step still in flight counts). Penalties read the token history on
+        the host, so the engine runs steps with penalised sequences synchronously.
+        """
         # logits: [num_seqs, vocab] float32 (the model's raw output for each row's last position)
         params = [s.params for s in seqs]
         logits = logits[:, : self.vocab_size].float()
-        want_logprobs = any(p.logprobs is not None for p in params)
+        logprob_k = [p.logprobs for p in params]
+        want_logprobs = any(k is not None for k in logprob_k)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
         if any(p.uses_penalties for p in params):
@@ -49,22 +107,12 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, seqs, greedy)
-        token_ids = tokens.tolist()  # the step's one device->host sync
-
-        logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(seqs)
+        out = DeviceSample(tokens, logprob_k)
         if want_logprobs:
-            for i, p in enumerate(params):
-                if p.logprobs is None:
-                    continue
-                row = raw_logprobs[i]
-                top = {}
-                if p.logprobs > 0:
-                    vals, idx = row.topk(p.logprobs)
-                    top = dict(zip(idx.tolist(), vals.tolist()))
-                chosen = float(row[token_ids[i]])
-                top[token_ids[i]] = chosen
-                logprobs[i] = (chosen, top)
-        return SamplerOutput(token_ids, logprobs)
+            k_max = max(1, max(k for k in logprob_k if k is not None))
+            out.chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+            out.top_vals, out.top_ids = raw_logprobs.topk(k_max, dim=-1)
+        return out
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[1]
@@ -88,7 +136,7 @@ class Sampler:
         rows, cols = [], []
         for i, seq in enumerate(seqs):
             p = seq.params
-            if seq.num_output_tokens < p.min_tokens:
+            if seq.num_planned_output_tokens < p.min_tokens:
                 banned = set(p.stop_token_ids or [])
                 if not p.ignore_eos:
                     banned |= self.eos_token_ids
@@ -132,7 +180,7 @@ class Sampler:
         for i, seq in enumerate(seqs):
             p = seq.params
             if p.seed is not None and not greedy[i]:
-                self._seeded.manual_seed(seeded_draw_seed(p.seed, seq.sample_index, seq.num_output_tokens))
+                self._seeded.manual_seed(seeded_draw_seed(p.seed, seq.sample_index, seq.num_planned_output_tokens))
                 noise[i].exponential_(generator=self._seeded)
         sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):

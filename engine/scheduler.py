@@ -3,7 +3,8 @@
 Every step hands each chosen sequence a number of tokens so that its computed
 tokens catch up with its known tokens: a prompt (possibly in chunks), the
 uncached suffix after a prefix-cache hit, or one decode token are the same
-thing. Running sequences are served first, in priority order; waiting ones are
+thing. Tokens sampled by a step still on the GPU count as known
+(``num_pending_tokens``): the next step is planned before they reach the host. Running sequences are served first, in priority order; waiting ones are
 admitted while the budget, ``max_num_seqs`` and the KV pool allow. When the
 pool runs dry the lowest-priority running sequence is preempted: its blocks are
 freed and it recomputes later (the prefix cache usually gives most of it back).
@@ -65,6 +66,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -81,8 +83,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to compute (cannot happen for a live sequence)
+            num_new = min(seq.num_planned_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0 or self._ends_with_pending(seq):
+                # nothing to compute, or the token still on the device is its last one
                 i += 1
                 continue
             while not bm.allocate_slots(seq, num_new):
@@ -110,6 +113,7 @@ class Scheduler:
                 num_new = min(seq.num_tokens - num_cached, budget)
                 if not bm.allocate_slots(seq, num_new, computed_blocks):
                     break  # FCFS: a blocked head blocks the queue
+                seq.num_computed_tokens = seq.num_cached_tokens = num_cached
                 seq.wait_for = None
                 del self.waiting[j]
                 seq.status = SequenceStatus.RUNNING
@@ -122,19 +126,39 @@ class Scheduler:
     def _prompt_cached(parent: Sequence) -> bool:
         return parent.status is SequenceStatus.FINISHED or parent.num_computed_tokens >= parent.num_prompt_tokens
 
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """The sequence's token still on the device is its last (max_tokens or the
+        model's length): it ends when that token arrives, so it needs no step now."""
+        if not seq.num_pending_tokens:
+            return False
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and seq.num_planned_output_tokens >= max_tokens) or \
+            seq.num_planned_tokens >= self.max_model_len
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         self.num_preemptions += 1
         self.add(seq)
 
     def update_from_output(self, out: SchedulerOutput) -> list[Sequence]:
-        """Advance computed tokens after the forward pass; return the sequences
-        that caught up with their known tokens (their sampled token counts)."""
+        """Advance computed tokens once a step is launched; return the sequences
+        that caught up (each sampled a token, pending until ``append_token``)."""
         caught_up = []
         for seq, n in out.num_scheduled_tokens.items():
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
+            if seq.num_computed_tokens == seq.num_planned_tokens:
+                seq.num_pending_tokens += 1
                 caught_up.append(seq)
         return caught_up
+
+    def append_token(self, seq: Sequence, token_id: int) -> bool:
+        """A sampled token reached the host. False (and nothing appended) when seq
+        ended while the token was on its way: it is dropped."""
+        seq.num_pending_tokens -= 1
+        if seq.status is SequenceStatus.FINISHED:
+            return False
+        seq.token_ids.append(token_id)
+        return True

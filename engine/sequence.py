@@ -19,7 +19,13 @@ class Sequence:
 
     ``num_computed_tokens`` catches up with ``num_tokens`` step by step: a prefill,
     a chunk of one, a prefix-cache hit and a decode are all the same move. The
-    scheduler is the only writer of the scheduling fields.
+    scheduler is the only writer of the scheduling fields (status, the counts,
+    finish reasons, ``token_ids``' growth).
+
+    With asynchronous scheduling a step is planned while the one before it is still
+    on the GPU: ``num_pending_tokens`` counts tokens sampled on the device but not yet
+    appended here (0 or 1 when a step is planned). Their values stay on the device
+    and feed the next step there; planning counts them as known.
     """
 
     seq_id: str
@@ -33,6 +39,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit on the last admission
+    num_pending_tokens: int = 0  # sampled on the device, not yet in token_ids
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # A later sample of an n>1 request waits until the first one has its prompt in
@@ -47,6 +54,16 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Known tokens plus those still on the device: what the next step builds on."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def num_planned_output_tokens(self) -> int:
+        """Index, among the outputs, of the next token this sequence samples."""
+        return len(self.token_ids) + self.num_pending_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -42,7 +42,10 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_llama_dir):
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine.add_request("good-1", prompt="a perfectly fine prompt", params=params)
-    tokens, reasons = {"good-1": list(engine.step()[0].outputs[0].token_ids)}, {}
+    tokens, reasons = {}, {}
+    while not tokens:  # outputs come one step after their forward pass (asynchronous scheduling)
+        tokens = {o.request_id: list(o.outputs[0].token_ids) for o in engine.step()}
+    assert list(tokens) == ["good-1"]
 
     with pytest.raises(ValueError, match=r"prompt has \d+ tokens but max_model_len is 64: a prompt may have at most 63"):
         engine.add_request("too-long", prompt="word " * 200, params=params)

@@ -18,7 +18,7 @@ def seq(name, n_tokens, order, priority=0, start=0):
 def run_step(sched, sampled_token=7):
     out = sched.schedule()
     for s in sched.update_from_output(out):
-        s.token_ids.append(sampled_token)
+        sched.append_token(s, sampled_token)
     return out
 
 

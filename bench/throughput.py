@@ -1,0 +1,404 @@
+"""Engine throughput on the H200 beside the hardware floor and HF peers, in one call.
+
+    . bench/device_env.sh && python3 bench/throughput.py --out $OUT [--workloads 1b-fixed,8b-fixed,...]
+    python3 bench/throughput.py --device cpu --workloads tiny-fixed --no-hf     # logic check on a CPU
+
+Workloads (EOS ignored, bf16, random-init weights at real shapes, a tokenizer in the model
+directory so detokenization runs as it does for users):
+  1b-fixed      Llama-3.2-1B shape, 256 prompts x 512 -> 256
+  1b-lognormal  Llama-3.2-1B shape, 1,000 requests, lognormal input/output lengths (ShareGPT-like)
+  1b-prefix     Llama-3.2-1B shape, 256 requests sharing a 1,024-token prefix (+64 own) -> 64, cache on vs off
+  8b-fixed      Llama-3-8B shape, 256 prompts x 512 -> 128
+  8b-prefill    Llama-3-8B shape, one prefill-only step of 16,384 tokens, first call and tenth, vs its FLOP floor
+  1b-profile    torch profiler over 24 decode steps of 256 sequences: GPU busy/idle between steps, top kernels
+  8b-profile    the same on the Llama-3-8B shape
+Each throughput row: output tok/s, req/s, TTFT and TPOT percentiles, KV waste, preemptions, the floor
+(ARCHITECTURE.md "Performance method") and HF static `generate` on the same prompts in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+
+from gpu_engine import SHAPES, ceilings, floor_seconds  # bench/ is the script's own directory
+
+SHAPES = {
+    **SHAPES,
+    "llama-3-8b": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ),
+}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def write_tokenizer(path: str, vocab_size: int) -> None:
+    """A fast tokenizer over exactly ``vocab_size`` ids (words of 2-7 letters, space-prefixed like
+    byte-level BPE pieces), so every sampled id detokenizes as a real model's would: one
+    DecodeStream step per token. The GPU machine has no network to fetch Llama's own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    while len(vocab) < vocab_size:
+        vocab.setdefault("▁" + "".join(rng.choice(letters) for _ in range(rng.randint(2, 7))), len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+
+
+def model_dir_for(shape: str, device) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = f"/tmp/pagestream-tput-{shape}"
+    if not os.path.exists(os.path.join(path, "config.json")):
+        cfg = AutoConfig.for_model("llama", **SHAPES[shape])
+        torch.manual_seed(0)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model.save_pretrained(path)
+        del model
+        _free(device)
+        write_tokenizer(path, SHAPES[shape]["vocab_size"])
+    return path
+
+
+def make_llm(model_dir, device, args, **kw):
+    from pagestream.engine import LLM
+
+    opts = dict(device=device.type, dtype="bfloat16" if device.type == "cuda" else "float32",
+                gpu_memory_utilization=0.85, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384,
+                enforce_eager=args.enforce_eager)
+    opts.update(kw)
+    if device.type == "cpu":
+        opts.pop("gpu_memory_utilization")
+        opts["kv_cache_bytes"] = 2**28
+    return LLM(model_dir, **opts)
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))] if xs else float("nan")
+
+
+def run_engine(llm, prompts, params_list, device) -> dict:
+    """Drive the engine step by step (as LLM.generate does) and time each request."""
+    engine = llm.llm_engine
+    t0 = time.perf_counter()
+    first, last, ntok, sched_at = {}, {}, {}, {}
+    for i, (p, sp) in enumerate(zip(prompts, params_list)):
+        engine.add_request(f"b{i}", prompt_token_ids=p, params=sp)
+    pre0 = engine.stats().num_preemptions
+    waste = []
+    steps = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for o in outs:
+            n = sum(len(c.token_ids) for c in o.outputs)
+            if n and o.request_id not in first:
+                first[o.request_id] = now
+            ntok[o.request_id] = ntok.get(o.request_id, 0) + n
+            if o.finished:
+                last[o.request_id] = now
+        if steps % 16 == 0:
+            waste.append(engine.stats().kv_waste)
+    _sync(device)
+    dt = time.perf_counter() - t0
+    total = sum(ntok.values())
+    ttft = [first[r] - t0 for r in first]
+    tpot = [(last[r] - first[r]) / (ntok[r] - 1) for r in last if ntok[r] > 1]
+    return {
+        "seconds": dt, "output_tokens": total, "output_tok_s": total / dt, "req_s": len(prompts) / dt, "steps": steps,
+        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "max_queue_wait_s": max(ttft),
+        "tpot_p50_ms": 1e3 * pct(tpot, 50), "tpot_p99_ms": 1e3 * pct(tpot, 99),
+        "kv_waste_mean": sum(waste) / len(waste) if waste else 0.0,
+        "preemptions": engine.stats().num_preemptions - pre0,
+    }
+
+
+def floor_for(shape, lens_in, lens_out, ceil) -> float:
+    """The floor of a mixed-length workload: prefills summed, then each decode step over the
+    sequences still running (ARCHITECTURE.md's formula with per-request lengths)."""
+    cfg = SHAPES[shape]
+    h, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    nh, kvh, hd, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]
+    layer_params = h * (nh * hd) + 2 * h * (kvh * hd) + (nh * hd) * h + 3 * h * inter
+    matmul_params = L * layer_params + vocab * h
+    weight_bytes = 2 * (L * layer_params + vocab * h + (0 if cfg["tie_word_embeddings"] else vocab * h))
+    kv_per_tok = 2 * L * kvh * hd * 2
+    attn = 4 * L * nh * hd
+    t = sum(2 * matmul_params * i + attn * i * (i + 1) / 2 for i in lens_in) / ceil["flops"]
+    for step in range(1, max(lens_out)):
+        live = [(i, o) for i, o in zip(lens_in, lens_out) if o > step]
+        if not live:
+            break
+        flops = sum(2 * matmul_params + attn * (i + step) for i, _ in live)
+        byts = weight_bytes + sum((i + step) * kv_per_tok for i, _ in live)
+        t += max(flops / ceil["flops"], byts / ceil["bw"])
+    return t
+
+
+def hf_static(model_dir, device, prompts, out_len) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                                              attn_implementation="sdpa").to(device).eval()
+    ids = torch.tensor(prompts, device=device)
+    kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        hf.generate(ids[:8], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        _sync(device)
+        t0 = time.perf_counter()
+        r = hf.generate(ids, **kw)
+        _sync(device)
+        dt = time.perf_counter() - t0
+    assert r.shape[1] == len(prompts[0]) + out_len
+    del hf, r
+    _free(device)
+    return {"hf_static_s": dt, "hf_static_tok_s": len(prompts) * out_len / dt}
+
+
+def fixed(shape, n, in_len, out_len, device, args, ceil) -> dict:
+    from pagestream.engine import SamplingParams
+
+    model_dir = model_dir_for(shape, device)
+    vocab = SHAPES[shape]["vocab_size"]
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(n)]
+    llm = make_llm(model_dir, device, args)
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    t_first = time.perf_counter()
+    warm = [[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(n)]
+    llm.generate(prompt_token_ids=warm[:8], sampling_params=SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    res = {"workload": f"{shape}: {n} x {in_len} -> {out_len}", "engine_start_to_warm_s": time.perf_counter() - t_first}
+    res.update(run_engine(llm, prompts, [sp] * n, device))
+    assert res["output_tokens"] == n * out_len, res
+    res["floor_s"] = floor_seconds(SHAPES[shape], n, in_len, out_len, ceil)["floor_s"]
+    res["frac_of_floor"] = res["floor_s"] / res["seconds"]
+    del llm
+    _free(device)
+    if not args.no_hf:
+        res.update(hf_static(model_dir, device, prompts, out_len))
+        res["x_hf_static"] = res["output_tok_s"] / res["hf_static_tok_s"]
+    return res
+
+
+def lognormal(shape, n, device, args, ceil) -> dict:
+    from pagestream.engine import SamplingParams
+
+    model_dir = model_dir_for(shape, device)
+    vocab = SHAPES[shape]["vocab_size"]
+    rng = random.Random(3)
+    lens_in = [min(2048, max(4, int(rng.lognormvariate(5.3, 0.9)))) for _ in range(n)]
+    lens_out = [min(1024, max(4, int(rng.lognormvariate(5.2, 0.9)))) for _ in range(n)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(i)] for i in lens_in]
+    llm = make_llm(model_dir, device, args)
+    llm.generate(prompt_token_ids=[p[:64] for p in prompts[:8]], sampling_params=SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in lens_out]
+    res = {"workload": f"{shape}: {n} requests, lognormal lengths (in mean {sum(lens_in) / n:.0f}, "
+                       f"out mean {sum(lens_out) / n:.0f}), all queued at t=0"}
+    res.update(run_engine(llm, prompts, params, device))
+    assert res["output_tokens"] == sum(lens_out), res
+    res["floor_s"] = floor_for(shape, lens_in, lens_out, ceil)
+    res["frac_of_floor"] = res["floor_s"] / res["seconds"]
+    del llm
+    _free(device)
+    return res
+
+
+def shared_prefix(shape, device, args, ceil) -> dict:
+    from pagestream.engine import SamplingParams
+
+    model_dir = model_dir_for(shape, device)
+    vocab = SHAPES[shape]["vocab_size"]
+    rng = random.Random(4)
+    prefix = [rng.randrange(3, vocab) for _ in range(1024)]
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(64)] for _ in range(256)]
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    res = {"workload": f"{shape}: 256 requests, shared 1024-token prefix + 64 own -> 64"}
+    for caching in (True, False):
+        llm = make_llm(model_dir, device, args, enable_prefix_caching=caching)
+        llm.generate(prompt_token_ids=[[rng.randrange(3, vocab) for _ in range(64)] for _ in range(8)],
+                     sampling_params=SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        r = run_engine(llm, prompts, [sp] * len(prompts), device)
+        r["prefix_hit_rate"] = llm.llm_engine.stats().prefix_hit_rate
+        res["cache_on" if caching else "cache_off"] = r
+        del llm
+        _free(device)
+    res["floor_s_without_cache"] = floor_seconds(SHAPES[shape], 256, 1088, 64, ceil)["floor_s"]
+    return res
+
+
+def compiled_variants() -> dict[str, int]:
+    """How many compiled variants each Triton kernel of pagestream holds (specialisations)."""
+    import importlib
+    import inspect
+
+    counts = {}
+    for mod_name in ("paged_prefill_attention", "paged_decode_attention", "store_kvcache", "rms_norm", "rotary"):
+        mod = importlib.import_module(f"pagestream.kernels.{mod_name}")
+        for name, fn in inspect.getmembers(mod):
+            caches = getattr(fn, "device_caches", None)
+            if isinstance(caches, dict):
+                counts[name] = sum(len(c[0]) for c in caches.values())
+    return counts
+
+
+def prefill(shape, device, args, ceil) -> dict:
+    """One prefill-only step of max_num_batched_tokens (16 x 1024 tokens), the first call and the tenth."""
+    from pagestream.engine import SamplingParams
+
+    model_dir = model_dir_for(shape, device)
+    vocab = SHAPES[shape]["vocab_size"]
+    rng = random.Random(5)
+    llm = make_llm(model_dir, device, args)
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times, new_variants = [], []
+    for _ in range(10):
+        before = compiled_variants()
+        prompts = [[rng.randrange(3, vocab) for _ in range(1024)] for _ in range(16)]
+        _sync(device)
+        t0 = time.perf_counter()
+        llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        after = compiled_variants()
+        new_variants.append({k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)})
+    fl = floor_seconds(SHAPES[shape], 16, 1024, 1, ceil)["prefill_floor_s"]
+    del llm
+    _free(device)
+    return {"workload": f"{shape}: 16 x 1024-token prefills, one step, 1 output token", "floor_s": fl,
+            "first_call_s": times[0], "tenth_call_s": times[-1], "first_over_floor": times[0] / fl,
+            "tenth_over_floor": times[-1] / fl, "triton_variants_compiled_per_call": new_variants,
+            "all_times_s": times}
+
+
+def profile(shape, device, args) -> dict:
+    """GPU busy time against wall time over decode steps of 256 sequences (~600-token contexts)."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    from pagestream.engine import SamplingParams
+
+    model_dir = model_dir_for(shape, device)
+    vocab = SHAPES[shape]["vocab_size"]
+    rng = random.Random(6)
+    llm = make_llm(model_dir, device, args)
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for i in range(256):
+        engine.add_request(f"p{i}", prompt_token_ids=[rng.randrange(3, vocab) for _ in range(512)], params=sp)
+    for _ in range(90):  # prefill, then decode up to ~600-token contexts
+        engine.step()
+    _sync(device)
+    n_steps = 24
+    t0 = time.perf_counter()
+    for _ in range(n_steps):
+        engine.step()
+    _sync(device)
+    wall_ms = (time.perf_counter() - t0) / n_steps * 1e3
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n_steps):
+            engine.step()
+        _sync(device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    window = spans[-1][1] - spans[0][0] if spans else 0.0
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    del llm
+    _free(device)
+    return {
+        "workload": f"{shape}: 24 decode steps of 256 sequences, ~600-token contexts",
+        "wall_ms_per_step_unprofiled": wall_ms,
+        "gpu_busy_ms_per_step": busy / 1e3 / n_steps,
+        "profiled_window_ms_per_step": window / 1e3 / n_steps,
+        "gpu_idle_fraction": 1 - busy / window if window else None,
+        "top_kernels_ms_per_step": {k[:90]: v / 1e3 / n_steps for k, v in top},
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--workloads", default="1b-profile,1b-fixed,1b-lognormal,8b-fixed,8b-prefill,1b-prefix")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF static generate peer")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    res = {"argv": sys.argv, "torch": torch.__version__}
+    if device.type == "cuda":
+        res["gpu"] = torch.cuda.get_device_name()
+    ceil = ceilings(device)
+    res["ceilings"] = {"bf16_matmul_tflops": ceil["flops"] / 1e12, "d2d_copy_tb_s": ceil["bw"] / 1e12}
+    log(json.dumps(res))
+    big = "llama-3.2-1b" if device.type == "cuda" else "tiny"
+    eight = "llama-3-8b" if device.type == "cuda" else "tiny"
+    runs = {
+        "1b-profile": lambda: profile(big, device, args),
+        "8b-profile": lambda: profile(eight, device, args),
+        "1b-fixed": lambda: fixed(big, 256, 512, 256, device, args, ceil),
+        "1b-lognormal": lambda: lognormal(big, 1000, device, args, ceil),
+        "1b-prefix": lambda: shared_prefix(big, device, args, ceil),
+        "8b-fixed": lambda: fixed(eight, 256, 512, 128, device, args, ceil),
+        "8b-prefill": lambda: prefill(eight, device, args, ceil),
+        "tiny-fixed": lambda: fixed("tiny", 16, 64, 32, device, args, ceil),
+    }
+    for name in args.workloads.split(","):
+        t = time.perf_counter()
+        try:
+            res[name] = runs[name]()
+        except Exception as exc:  # one failing workload is reported, the rest still run
+            import traceback
+
+            res[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
+        res[name]["bench_wall_s"] = time.perf_counter() - t
+        log(name, json.dumps(res[name], indent=1))
+        with open(os.path.join(args.out, "throughput.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
