@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from pagestream.engine.models.registry import SUPPORTED_ARCHITECTURES, resolve_architecture  # noqa: F401
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -49,11 +50,7 @@ class EngineConfig:
             )
         self.model = str(path)
         self.hf_config = {**json.loads(config_file.read_text()), **self.hf_overrides}
-        archs = self.hf_config.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(
-                f"model {self.model!r} has architectures {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        resolve_architecture(self.hf_config, where=f"model {self.model!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
