@@ -10,6 +10,40 @@ from typing import Any
 from pagestream.engine.models.registry import SUPPORTED_ARCHITECTURES, resolve_architecture  # noqa: F401
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+# What a hub snapshot needs for the engine: config, weights, tokenizer files, chat template.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+def resolve_model(model: str, what: str = "model") -> str:
+    """A local directory (with config.json for a model), or a Hugging Face hub id
+    (``org/name`` or ``org/name@revision``) resolved by huggingface_hub: from the local cache
+    first, downloading only when that misses and the hub is reachable (HF_HUB_OFFLINE unset).
+    Returns the directory; raises ValueError saying what was tried."""
+    path = Path(os.path.expanduser(model))
+    if path.is_dir():
+        return str(path)
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    repo_id, _, revision = model.partition("@")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ValueError(f"{what} {model!r} is neither a local directory nor a hub id "
+                         "('org/name' or 'org/name@revision')") from None
+    revision = revision or None
+    try:
+        return snapshot_download(repo_id, revision=revision, local_files_only=True, allow_patterns=_HUB_PATTERNS)
+    except Exception as cache_miss:  # huggingface_hub's LocalEntryNotFoundError and kin
+        where = f"not in the Hugging Face cache {constants.HF_HUB_CACHE} ({type(cache_miss).__name__})"
+    if constants.is_offline_mode():
+        raise ValueError(f"{what} {model!r}: {where}, and HF_HUB_OFFLINE is set so nothing is downloaded; "
+                         "pass a local directory or fill the cache first")
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_PATTERNS)
+    except Exception as exc:  # network down, unknown repo, gated, bad revision: one clear error
+        raise ValueError(f"{what} {model!r}: {where}, and downloading it failed: {type(exc).__name__}: {exc}") from None
 
 
 @dataclass(slots=True)
@@ -41,14 +75,14 @@ class EngineConfig:
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        path = Path(os.path.expanduser(str(self.model)))
+        path = Path(resolve_model(str(self.model)))
         config_file = path / "config.json"
         if not config_file.is_file():
-            raise ValueError(
-                f"unknown model {self.model!r}: expected a directory with config.json "
-                "(an HF model directory written with save_pretrained)"
-            )
+            raise ValueError(f"model {self.model!r} resolved to {path}, which has no config.json "
+                             "(an HF model directory written with save_pretrained is expected)")
         self.model = str(path)
+        if self.tokenizer is not None:
+            self.tokenizer = resolve_model(str(self.tokenizer), what="tokenizer")
         self.hf_config = {**json.loads(config_file.read_text()), **self.hf_overrides}
         resolve_architecture(self.hf_config, where=f"model {self.model!r}")
         if self.dtype not in _DTYPES:
