@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagestream.engine.layers.attention import PagedAttention
+from pagestream.engine.layers.attention import AttentionMetadata, PagedAttention
+from pagestream.engine.layers.rotary import rope_settings
 from pagestream.kernels.reference import soft_cap
 
 
@@ -30,11 +31,27 @@ class CausalLM(nn.Module):
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
 
+    def init_decoder_facts(self, cfg: dict, tie_default: bool) -> None:
+        """head_dim, num_kv_heads, RoPE settings and the LM head (None when tied) of a RoPE decoder."""
+        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        self.rope_theta, self.rope_scaling = rope_settings(cfg)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", tie_default))
+        self.lm_head = None
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+
     def attention_layers(self) -> list[PagedAttention]:
         return [m for m in self.modules() if isinstance(m, PagedAttention)]
 
+    def forward(self, input_ids, positions, meta: AttentionMetadata, cos_sin_cache) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, cos_sin_cache)  # [num_tokens, hidden]
+
+    def input_embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
     def output_embedding(self) -> torch.Tensor:  # [vocab, hidden]
-        raise NotImplementedError
+        return (self.input_embedding() if self.lm_head is None else self.lm_head).weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
         return soft_cap(F.linear(hidden, self.output_embedding()), self.final_logit_softcap)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagestream.engine.layers.attention import AttentionMetadata, SelfAttention, layer_sliding_windows
+from pagestream.engine.layers.attention import SelfAttention, layer_sliding_windows
 from pagestream.engine.layers.mlp import GatedMLP
 from pagestream.engine.layers.norms import GemmaRMSNorm
-from pagestream.engine.layers.rotary import rope_settings
 from pagestream.engine.models.base import CausalLM
 
 
@@ -64,17 +63,6 @@ class Gemma2ForCausalLM(CausalLM):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
         self.cfg = cfg
-        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.init_decoder_facts(cfg, tie_default=True)
         self.model = Gemma2Model(cfg, self.head_dim)
-        self.lm_head = None
-        if not cfg.get("tie_word_embeddings", True):
-            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.final_logit_softcap = cfg.get("final_logit_softcapping")
-        self.num_kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-        self.rope_theta, self.rope_scaling = rope_settings(cfg)
-
-    def forward(self, input_ids, positions, meta: AttentionMetadata, cos_sin_cache) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, cos_sin_cache)  # [num_tokens, hidden]
-
-    def output_embedding(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagestream.engine.layers.attention import AttentionMetadata, SelfAttention, layer_sliding_windows
+from pagestream.engine.layers.attention import SelfAttention, layer_sliding_windows
 from pagestream.engine.layers.mlp import GatedMLP
 from pagestream.engine.layers.norms import RMSNorm
-from pagestream.engine.layers.rotary import rope_settings
 from pagestream.engine.models.base import CausalLM
 
 
@@ -66,22 +65,9 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
         self.cfg = cfg
-        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.init_decoder_facts(cfg, tie_default=False)
         model_type = cfg.get("model_type")
         is_qwen2 = model_type == "qwen2"
         qkv_bias = True if is_qwen2 else bool(cfg.get("attention_bias", False))
         o_bias = False if is_qwen2 else bool(cfg.get("attention_bias", False))
         self.model = LlamaModel(cfg, self.head_dim, qkv_bias, o_bias, qk_norm=model_type == "qwen3")
-        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-        self.num_kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-        self.rope_theta, self.rope_scaling = rope_settings(cfg)
-
-    def forward(self, input_ids, positions, meta: AttentionMetadata, cos_sin_cache) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, cos_sin_cache)  # [num_tokens, hidden]
-
-    def output_embedding(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -88,7 +88,7 @@ class OPTForCausalLM(CausalLM):
         self.num_kv_heads = cfg["num_attention_heads"]
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, cos_sin_cache) -> torch.Tensor:
-        return self.model.decoder(input_ids, positions, meta, cos_sin_cache)
+        return self.model.decoder(input_ids, positions, meta, cos_sin_cache)  # [num_tokens, word_embed_proj_dim]
 
-    def output_embedding(self) -> torch.Tensor:
-        return self.model.decoder.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def input_embedding(self) -> nn.Embedding:
+        return self.model.decoder.embed_tokens
