@@ -40,7 +40,6 @@ def test_unknown_architecture_is_refused_with_the_supported_list(tiny_llama_dir,
 QUIRKS = [
     ("tiny_mistral_dir", {"sliding_window": None}),
     ("tiny_gemma2_dir", {"attn_logit_softcapping": None}),
-    ("tiny_gemma2_dir", {"final_logit_softcapping": None}),
     ("tiny_gemma2_dir", {"sliding_window": None}),
     ("tiny_gemma2_dir", {"query_pre_attn_scalar": 16}),
 ]
@@ -56,6 +55,22 @@ def test_each_quirk_changes_the_tokens(model_fixture, quirk_off, request):
     outs = LLM(model_dir, device="cpu", hf_overrides=quirk_off).generate(prompts, GREEDY, use_tqdm=False)
     differing = sum(out.outputs[0].token_ids != hf.greedy(p)[0] for p, out in zip(prompts, outs))
     assert differing >= 1, f"{quirk_off} made no difference on {len(prompts)} prompts"
+
+
+def test_gemma2_final_logits_are_soft_capped_as_hf(tiny_gemma2_dir):
+    # tanh is monotonic, so greedy tokens cannot see the final cap: the logits themselves are checked
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma2_dir, dtype=torch.float32).eval()
+    ours = LLM(tiny_gemma2_dir, device="cpu", num_kv_blocks=16).llm_engine.runner.model
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)) * 30
+    cap = hf.config.final_logit_softcapping
+    with torch.no_grad():
+        want = torch.tanh(hf.lm_head(hidden) / cap) * cap
+        got = ours.compute_logits(hidden)
+    assert got.abs().max() <= cap and (hf.lm_head(hidden).abs().max() > cap)
+    torch.testing.assert_close(got, want)
 
 
 def test_opt_has_no_chat_template_and_says_so(tiny_opt_dir):
