@@ -30,8 +30,8 @@ def resolve_model(model: str, what: str = "model") -> str:
     try:
         validate_repo_id(repo_id)
     except HFValidationError:
-        raise ValueError(f"{what} {model!r} is neither a local directory nor a hub id "
-                         "('org/name' or 'org/name@revision')") from None
+        raise ValueError(f"unknown {what} {model!r}: expected a local directory (with config.json, written with "
+                         "save_pretrained) or a hub id ('org/name' or 'org/name@revision')") from None
     revision = revision or None
     try:
         return snapshot_download(repo_id, revision=revision, local_files_only=True, allow_patterns=_HUB_PATTERNS)
