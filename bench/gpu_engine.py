@@ -118,11 +118,11 @@ def bf16_tie(scores_row: torch.Tensor) -> bool:
     return bool(top2[0] - top2[1] <= 2 * ulp)
 
 
-def engine_run(model_dir, device, dtype, prompts, n_new, args):
+def engine_run(model_dir, device, dtype, prompts, n_new, args, **llm_kwargs):
     from pagestream.engine import LLM, SamplingParams
 
-    llm = LLM(model_dir, device=device.type, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=4096,
-              enforce_eager=args.enforce_eager)
+    llm_kwargs = {"gpu_memory_utilization": 0.3, "max_model_len": 4096, **llm_kwargs}
+    llm = LLM(model_dir, device=device.type, dtype=dtype, enforce_eager=args.enforce_eager, **llm_kwargs)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True),
                         use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]

@@ -7,8 +7,43 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from pagestream.engine.models.registry import SUPPORTED_ARCHITECTURES, resolve_architecture  # noqa: F401
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+# What a hub snapshot needs for the engine: config, weights, tokenizer files, chat template.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+def resolve_model(model: str, what: str = "model") -> str:
+    """A local directory (with config.json for a model), or a Hugging Face hub id
+    (``org/name`` or ``org/name@revision``) resolved by huggingface_hub: from the local cache
+    first, downloading only when that misses and the hub is reachable (HF_HUB_OFFLINE unset).
+    Returns the directory; raises ValueError saying what was tried."""
+    path = Path(os.path.expanduser(model))
+    if path.is_dir():
+        return str(path)
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    repo_id, _, revision = model.partition("@")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ValueError(f"unknown {what} {model!r}: expected a local directory (with config.json, written with "
+                         "save_pretrained) or a hub id ('org/name' or 'org/name@revision')") from None
+    revision = revision or None
+    try:
+        return snapshot_download(repo_id, revision=revision, local_files_only=True, allow_patterns=_HUB_PATTERNS)
+    except Exception as cache_miss:  # huggingface_hub's LocalEntryNotFoundError and kin
+        where = f"not in the Hugging Face cache {constants.HF_HUB_CACHE} ({type(cache_miss).__name__})"
+    if constants.is_offline_mode():
+        raise ValueError(f"{what} {model!r}: {where}, and HF_HUB_OFFLINE is set so nothing is downloaded; "
+                         "pass a local directory or fill the cache first")
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_PATTERNS)
+    except Exception as exc:  # network down, unknown repo, gated, bad revision: one clear error
+        raise ValueError(f"{what} {model!r}: {where}, and downloading it failed: {type(exc).__name__}: {exc}") from None
 
 
 @dataclass(slots=True)
@@ -42,20 +77,16 @@ class EngineConfig:
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        path = Path(os.path.expanduser(str(self.model)))
+        path = Path(resolve_model(str(self.model)))
         config_file = path / "config.json"
         if not config_file.is_file():
-            raise ValueError(
-                f"unknown model {self.model!r}: expected a directory with config.json "
-                "(an HF model directory written with save_pretrained)"
-            )
+            raise ValueError(f"model {self.model!r} resolved to {path}, which has no config.json "
+                             "(an HF model directory written with save_pretrained is expected)")
         self.model = str(path)
+        if self.tokenizer is not None:
+            self.tokenizer = resolve_model(str(self.tokenizer), what="tokenizer")
         self.hf_config = {**json.loads(config_file.read_text()), **self.hf_overrides}
-        archs = self.hf_config.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(
-                f"model {self.model!r} has architectures {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        resolve_architecture(self.hf_config, where=f"model {self.model!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):

@@ -8,20 +8,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pagestream.engine.models.llama import LlamaForCausalLM
-
-_ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
-
-
-def model_class(hf_config: dict) -> type[nn.Module]:
-    for arch in hf_config.get("architectures") or []:
-        if arch in _ARCHITECTURES:
-            return _ARCHITECTURES[arch]
-    raise ValueError(f"unsupported architectures {hf_config.get('architectures')}; supported: {sorted(_ARCHITECTURES)}")
+from pagestream.engine.layers.norms import NORM_TYPES
+from pagestream.engine.models.registry import model_class
 
 
 def build_model(hf_config: dict, dtype: torch.dtype, device: torch.device, load_format: str, model_dir: str, seed: int) -> nn.Module:
@@ -43,14 +31,22 @@ def build_model(hf_config: dict, dtype: torch.dtype, device: torch.device, load_
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    # Norms keep their constructed values: 1 for RMSNorm / LayerNorm weights, 0 for Gemma's (1 + w).
+    norm_params = {id(p) for m in model.modules() if isinstance(m, NORM_TYPES) for p in m.parameters()}
     for name, param in model.named_parameters():
-        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
+        if id(param) in norm_params:
+            continue
+        if name.endswith(".bias"):
             param.zero_()
         else:
             cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
             param.copy_(cpu)
+
+
+def _owner_and_leaf(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """('a.b.qkv_proj.weight') -> (module a.b, 'qkv_proj')."""
+    parts = name.split(".")
+    return model.get_submodule(".".join(parts[:-2])), parts[-2]
 
 
 @torch.no_grad()
@@ -61,19 +57,22 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     packed = getattr(model, "packed_modules", {})
+    renames = getattr(model, "hf_renames", {})
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name:
                     continue
-                tensor = f.get_tensor(name)
-                target, shard = name, None
-                for hf_part, (packed_part, idx) in packed.items():
-                    if f".{hf_part}." in name:
-                        target, shard = name.replace(f".{hf_part}.", f".{packed_part}."), idx
-                        break
                 if name == "lm_head.weight" and getattr(model, "lm_head", None) is None:
                     continue  # tied: the embedding serves as the head
+                tensor = f.get_tensor(name)
+                target, shard = name, None
+                for hf_part, ours in renames.items():
+                    target = target.replace(f".{hf_part}.", f".{ours}.")
+                for hf_part, (packed_part, idx) in packed.items():
+                    if f".{hf_part}." in target:
+                        target, shard = target.replace(f".{hf_part}.", f".{packed_part}."), idx
+                        break
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
                 param = params[target]
@@ -83,16 +82,18 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                     param.copy_(tensor)
                     loaded.add(target)
                 else:
-                    sizes = model.shard_sizes(target.split(".")[-2])
-                    offset = sum(sizes[:shard])
-                    param.narrow(0, offset, sizes[shard]).copy_(tensor)
+                    owner, leaf = _owner_and_leaf(model, target)
+                    sizes = owner.packed_shard_sizes[leaf]
+                    if tensor.shape[0] != sizes[shard]:
+                        raise ValueError(f"{name}: checkpoint rows {tensor.shape[0]} != {sizes[shard]} expected")
+                    param.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
                     loaded.add(f"{target}#{shard}")
     missing = []
     for name in params:
-        packed_name = name.split(".")[-2] if "." in name else name
-        if packed_name in ("qkv_proj", "gate_up_proj"):
-            n = 3 if packed_name == "qkv_proj" else 2
-            if any(f"{name}#{i}" not in loaded for i in range(n)):
+        owner, leaf = _owner_and_leaf(model, name) if name.count(".") >= 1 else (model, name)
+        shards = getattr(owner, "packed_shard_sizes", {}).get(leaf)
+        if shards is not None:
+            if any(f"{name}#{i}" not in loaded for i in range(len(shards))):
                 missing.append(name)
         elif name not in loaded:
             missing.append(name)

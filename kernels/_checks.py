@@ -64,3 +64,28 @@ def check_out(out: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype |
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     check_last_dim_contiguous(name, out)
     return out
+
+
+LOG2E = 1.4426950408889634
+
+
+def attention_score_args(scale: float, logit_softcap: float | None) -> tuple[float, float, float]:
+    """(qk_scale, softcap, softcap * LOG2E) for the attention kernels, which work in base 2.
+
+    Without a soft cap the log2(e) factor folds into the scale; with one it must come
+    after the tanh, so the cap carries it.
+    """
+    if logit_softcap is None:
+        return scale * LOG2E, 1.0, LOG2E
+    return scale, float(logit_softcap), float(logit_softcap) * LOG2E
+
+
+def check_window_and_softcap(sliding_window: int | None, logit_softcap: float | None) -> None:
+    """Shared by the references and the Triton wrappers: None turns each feature off."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1 (tokens a query sees, itself included), "
+                         f"got {sliding_window!r}")
+    if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float))
+                                      or not logit_softcap > 0):
+        raise ValueError(f"logit_softcap must be None or a number > 0, got {logit_softcap!r}")

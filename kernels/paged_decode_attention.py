@@ -18,8 +18,10 @@ import triton
 import triton.language as tl
 
 from pagestream.kernels._checks import (
+    attention_score_args,
     check_block_size,
     check_head_dim,
+    check_window_and_softcap,
     check_last_dim_contiguous,
     check_out,
     check_same_device,
@@ -27,15 +29,14 @@ from pagestream.kernels._checks import (
     is_pow2,
     next_pow2,
 )
-
-LOG2E = 1.4426950408889634
+from pagestream.kernels._softcap import softcap_log2
 
 
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
-    scale_log2e,
+    qk_scale, softcap, softcap_log2e, window,
     stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -43,13 +44,17 @@ def _paged_decode_kernel(
     stride_os, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    # window > 0: only the last `window` tokens are visible; the splits share just those,
+    # so blocks wholly outside the window are never read.
+    lo = tl.where(window > 0, tl.maximum(ctx_len - window, 0), 0)
+    per_split = tl.cdiv(tl.cdiv(ctx_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx_len)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -74,7 +79,9 @@ def _paged_decode_kernel(
         in_block = toks % BLOCK_SIZE
         k = tl.load(k_head + (blocks * stride_kb + in_block * stride_kt)[:, None] + offs_d[None, :],
                     mask=valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [GROUP_PAD, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = softcap_log2(s, softcap, softcap_log2e)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -149,6 +156,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     context_lens: torch.Tensor,  # [num_seqs] int32, tokens in cache incl. the current one
     scale: float,
+    sliding_window: int | None = None,  # the query sees its last `sliding_window` tokens, itself included
+    logit_softcap: float | None = None,  # scores -> cap * tanh(scores / cap) before the softmax
     *,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim], written in full
     num_splits: int | None = None,
@@ -179,12 +188,13 @@ def paged_decode_attention(
                          f"do not match {num_seqs} sequences")
     check_head_dim(head_dim)
     check_block_size(block_size)
+    check_window_and_softcap(sliding_window, logit_softcap)
     group = num_heads // num_kv_heads
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
     if not is_pow2(block_n) or block_n < 16:
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    max_context = block_tables.shape[1] * block_size
+    max_context = min(block_tables.shape[1] * block_size, sliding_window or 1 << 62)
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, block_n, _num_sms(q.device))
     if num_splits < 1:
@@ -202,7 +212,7 @@ def paged_decode_attention(
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_m, part_l,
-        scale * LOG2E,
+        *attention_score_args(scale, logit_softcap), sliding_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -211,6 +221,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, NUM_HEADS=num_heads,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_SOFTCAP=logit_softcap is not None,
         num_warps=num_warps or 4, num_stages=num_stages or 3,
     )
     if num_splits > 1:

@@ -20,8 +20,10 @@ import triton
 import triton.language as tl
 
 from pagestream.kernels._checks import (
+    attention_score_args,
     check_block_size,
     check_head_dim,
+    check_window_and_softcap,
     check_last_dim_contiguous,
     check_out,
     check_same_device,
@@ -29,8 +31,7 @@ from pagestream.kernels._checks import (
     is_pow2,
     next_pow2,
 )
-
-LOG2E = 1.4426950408889634
+from pagestream.kernels._softcap import softcap_log2
 
 
 @triton.jit
@@ -50,13 +51,15 @@ def _find_seq(cu_seqlens_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, k_ptrs_base, v_ptrs_base, bt_row, tok0, kv_end, q_pos, offs_n, offs_d,
-    stride_kb, stride_kt, stride_vb, stride_vt, scale_log2e,
-    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    acc, m_i, l_i, q, k_ptrs_base, v_ptrs_base, bt_row, tok0, kv_lo, kv_end, q_pos, q_lo, offs_n, offs_d,
+    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, softcap_log2e,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
+    # q_lo: [BLOCK_M], each row sees tokens in (q_lo, q_pos]; q_lo = -1 without a sliding window.
+    # Tokens before kv_lo are outside every row's window: not loaded (their blocks may hold anything).
     toks = tok0 + offs_n
     if MASKED:
-        valid = toks < kv_end
+        valid = (toks < kv_end) & (toks >= kv_lo)
         blocks = tl.load(bt_row + toks // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     else:
         blocks = tl.load(bt_row + toks // BLOCK_SIZE).to(tl.int64)
@@ -67,12 +70,20 @@ def _attend_tile(
         k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if HAS_SOFTCAP:
+        s = softcap_log2(s, softcap, softcap_log2e)
     if MASKED:
-        s = tl.where((toks[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
+        seen = (toks[None, :] <= q_pos[:, None]) & (toks[None, :] > q_lo[:, None]) & valid[None, :]
+        s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if MASKED:
+        # With a window a row may see nothing in this tile and nothing before it: keep its exponents finite.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
         v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
@@ -85,7 +96,7 @@ def _attend_tile(
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr,
-    scale_log2e, num_seqs,
+    qk_scale, softcap, softcap_log2e, window, num_seqs,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -93,6 +104,7 @@ def _paged_prefill_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,20 +133,32 @@ def _paged_prefill_kernel(
     kv_end = tl.minimum(block_first_pos + BLOCK_Q, ctx_len)  # last query in the block sees up to kv_end - 1
     unmasked_end = (block_first_pos + 1) // BLOCK_N * BLOCK_N  # tiles every query in the block sees whole
 
+    # Sliding window (window > 0): row p sees (p - window, p]. Tiles left of the block's first
+    # window are skipped, so are the cache blocks wholly outside it; tiles every row sees
+    # whole run unmasked; the left edge and the diagonal run masked.
+    q_lo = tl.where(window > 0, q_pos - window, -1)
+    kv_lo = tl.where(window > 0, tl.maximum(block_first_pos - window + 1, 0), 0)
+    lo = kv_lo // BLOCK_N * BLOCK_N
+    unmasked_lo = tl.where(window > 0, tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, 0)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    for tok0 in range(0, unmasked_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, tok0, kv_end, q_pos, offs_n, offs_d,
-                                     stride_kb, stride_kt, stride_vb, stride_vt, scale_log2e,
-                                     BLOCK_SIZE, False, DOT_PRECISION)
+    for tok0 in range(lo, tl.minimum(unmasked_lo, unmasked_end), BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, tok0, kv_lo, kv_end, q_pos, q_lo, offs_n,
+                                     offs_d, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap,
+                                     softcap_log2e, BLOCK_SIZE, True, DOT_PRECISION, HAS_SOFTCAP)
+    for tok0 in range(unmasked_lo, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, tok0, kv_lo, kv_end, q_pos, q_lo, offs_n,
+                                     offs_d, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap,
+                                     softcap_log2e, BLOCK_SIZE, False, DOT_PRECISION, HAS_SOFTCAP)
     for tok0 in range(unmasked_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, tok0, kv_end, q_pos, offs_n, offs_d,
-                                     stride_kb, stride_kt, stride_vb, stride_vt, scale_log2e,
-                                     BLOCK_SIZE, True, DOT_PRECISION)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, tok0, kv_lo, kv_end, q_pos, q_lo, offs_n,
+                                     offs_d, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap,
+                                     softcap_log2e, BLOCK_SIZE, True, DOT_PRECISION, HAS_SOFTCAP)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -157,6 +181,8 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, tokens in cache incl. the new ones
     scale: float,
     max_seqlen_q: int | None = None,  # accepted for the reference's signature; the grid needs no max
+    sliding_window: int | None = None,  # a query sees its last `sliding_window` tokens, itself included
+    logit_softcap: float | None = None,  # scores -> cap * tanh(scores / cap) before the softmax
     *,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written in full
     block_m: int | None = None,
@@ -191,6 +217,7 @@ def paged_prefill_attention(
                          f"context_lens {tuple(context_lens.shape)} disagree on the number of sequences")
     check_head_dim(head_dim)
     check_block_size(block_size)
+    check_window_and_softcap(sliding_window, logit_softcap)
     group = num_heads // num_kv_heads
     group_pad = next_pow2(group)
     cfg = default_config(head_dim, group, q.dtype)
@@ -208,7 +235,7 @@ def paged_prefill_attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
-        scale * LOG2E, num_seqs,
+        *attention_score_args(scale, logit_softcap), sliding_window or 0, num_seqs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -217,6 +244,7 @@ def paged_prefill_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_SOFTCAP=logit_softcap is not None,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
     return out

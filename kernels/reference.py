@@ -16,6 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pagestream.kernels._checks import check_window_and_softcap
+
 __all__ = [
     "store_kvcache",
     "paged_decode_attention",
@@ -23,6 +25,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "compute_cos_sin_cache",
+    "soft_cap",
 ]
 
 
@@ -65,6 +68,11 @@ def _check_gqa(num_heads: int, num_kv_heads: int) -> None:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
 
 
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap), as Gemma 2 applies it to attention scores and final logits."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -72,10 +80,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     context_lens: torch.Tensor,  # [num_seqs] int32, tokens in cache incl. the current one
     scale: float,
+    sliding_window: int | None = None,  # the query sees its last `sliding_window` tokens, itself included
+    logit_softcap: float | None = None,  # scores -> cap * tanh(scores / cap) before the softmax
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
     _check_gqa(num_heads, num_kv_heads)
+    check_window_and_softcap(sliding_window, logit_softcap)
     if num_seqs == 0:
         return torch.empty_like(q)
     max_len = int(context_lens.max())
@@ -85,10 +96,13 @@ def paged_decode_attention(
     k = _gather_blocks(k_cache, blocks).view(num_seqs, nb * block_size, num_kv_heads, head_dim)
     v = _gather_blocks(v_cache, blocks).view(num_seqs, nb * block_size, num_kv_heads, head_dim)
     pos = torch.arange(nb * block_size, device=q.device)
-    mask = pos[None, :] < context_lens.to(q.device, torch.long)[:, None]  # [S, T]
+    ctx = context_lens.to(q.device, torch.long)[:, None]
+    mask = pos[None, :] < ctx  # [S, T]
+    if sliding_window is not None:
+        mask &= pos[None, :] >= ctx - sliding_window
     group = num_heads // num_kv_heads
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("skgd,stkd->skgt", qg, k.float()) * scale  # [S, kvh, group, T]
+    scores = soft_cap(torch.einsum("skgd,stkd->skgt", qg, k.float()) * scale, logit_softcap)  # [S, kvh, group, T]
     # Slots past a context may hold anything (NaN from torch.empty): the scores there
     # are replaced outright, and V is zeroed, since a zero weight times NaN is NaN.
     outside = ~mask
@@ -109,10 +123,13 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, tokens in cache incl. the new ones
     scale: float,
     max_seqlen_q: int | None = None,  # unused here; the Triton kernel takes it for its grid
+    sliding_window: int | None = None,  # a query sees its last `sliding_window` tokens, itself included
+    logit_softcap: float | None = None,  # scores -> cap * tanh(scores / cap) before the softmax
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
     _check_gqa(num_heads, num_kv_heads)
+    check_window_and_softcap(sliding_window, logit_softcap)
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
@@ -123,14 +140,24 @@ def paged_prefill_attention(
             continue
         if q_len > ctx_len:
             raise ValueError(f"sequence {i}: {q_len} queries but only {ctx_len} context tokens")
-        k = _gather_kv(k_cache, block_tables[i], ctx_len).transpose(0, 1).float()  # [kvh, T, d]
-        v = _gather_kv(v_cache, block_tables[i], ctx_len).transpose(0, 1).float()
+        # Blocks wholly left of the first query's window are never read.
+        first_block = 0 if sliding_window is None else max(0, ctx_len - q_len - sliding_window + 1) // block_size
+        kv_start = first_block * block_size
+        k = _gather_kv(k_cache, block_tables[i, first_block:], ctx_len - kv_start).transpose(0, 1).float()  # [kvh, T, d]
+        v = _gather_kv(v_cache, block_tables[i, first_block:], ctx_len - kv_start).transpose(0, 1).float()
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, T]
-        o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1).float(), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )  # [H, q_len, d]
-        out[start:end] = o.transpose(0, 1).to(q.dtype)
+        kv_pos = torch.arange(kv_start, ctx_len, device=q.device)
+        mask = kv_pos[None, :] <= q_pos[:, None]  # [q_len, T]
+        if sliding_window is not None:
+            mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+        qi = q[start:end].transpose(0, 1).float()  # [H, q_len, d]
+        if logit_softcap is None:
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            group = num_heads // num_kv_heads
+            scores = soft_cap(qi @ k.repeat_interleave(group, 0).transpose(1, 2) * scale, logit_softcap)
+            o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.repeat_interleave(group, 0)
+        out[start:end] = o.transpose(0, 1).to(q.dtype)  # o: [H, q_len, d]
     return out
 
 

@@ -77,17 +77,23 @@ def smollm2_dir():
     return ensure_smollm2()
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2_dir):
-    """A tiny random-init Llama (fp32) with SmolLM2's tokenizer, written with save_pretrained."""
-    from pagestream.engine.testing import write_tiny_model
+def _tiny_model_fixture(arch: str):
+    """A session fixture: a tiny random-init model of ``arch`` (fp32, save_pretrained) with SmolLM2's
+    tokenizer; engine.testing.write_tiny_model says which quirks each shape exercises."""
 
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tokenizer_dir=smollm2_dir)
+    @pytest.fixture(scope="session")
+    def fixture(tmp_path_factory, smollm2_dir):
+        from pagestream.engine.testing import write_tiny_model
+
+        return write_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, tokenizer_dir=smollm2_dir)
+
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen2_dir(tmp_path_factory, smollm2_dir):
-    """A tiny random-init Qwen2 (fp32, q/k/v biases) with SmolLM2's tokenizer."""
-    from pagestream.engine.testing import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", tokenizer_dir=smollm2_dir)
+tiny_llama_dir = _tiny_model_fixture("llama")
+tiny_qwen2_dir = _tiny_model_fixture("qwen2")
+tiny_qwen3_dir = _tiny_model_fixture("qwen3")
+tiny_mistral_dir = _tiny_model_fixture("mistral")
+tiny_gemma2_dir = _tiny_model_fixture("gemma2")
+tiny_opt_dir = _tiny_model_fixture("opt")
+tiny_opt_post_ln_dir = _tiny_model_fixture("opt-post-ln")

@@ -1,5 +1,7 @@
 """Greedy parity with HF transformers `generate` (each prompt alone), for every
-supported architecture: concurrently batched, under preemption, with prefix hits.
+supported architecture (Llama, Qwen2, Qwen3, Mistral with a window shorter than the
+prompts, Gemma 2 with soft-caps and alternating windows, OPT with project_in/out, pre-
+and post-LN): concurrently batched, under preemption, chunked prefill, with prefix hits.
 
 Where HF's own top-2 logits at a step are closer than 1e-4 the two
 implementations may legitimately pick different tokens; comparison stops at that
@@ -72,7 +74,8 @@ def assert_parity(llm, hf, prompts, report):
     return outs
 
 
-MODELS = ["tiny_llama_dir", "tiny_qwen2_dir", pytest.param("smollm2_dir", marks=pytest.mark.slow)]
+MODELS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir", "tiny_gemma2_dir", "tiny_opt_dir",
+          "tiny_opt_post_ln_dir", pytest.param("smollm2_dir", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")

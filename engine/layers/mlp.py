@@ -1,0 +1,52 @@
+"""Feed-forward blocks: gated (SwiGLU, GeGLU) and plain (OPT's fc1 -> act -> fc2)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "gelu_new": functools.partial(F.gelu, approximate="tanh"),
+}
+
+
+def activation(name: str):
+    """The torch function for an HF activation name (hidden_act / hidden_activation / activation_function)."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; allowed: {', '.join(sorted(_ACTIVATIONS))}")
+    return _ACTIVATIONS[name]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up packed into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str = "silu") -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+        self.packed_shard_sizes = {"gate_up_proj": [intermediate, intermediate]}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [n, intermediate] each
+        return self.down_proj(self.act(gate) * up)
+
+
+class PlainMLP(nn.Module):
+    """fc2(act(fc1(x))), as OPT."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, intermediate, bias=bias)
+        self.fc2 = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))

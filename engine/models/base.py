@@ -1,0 +1,57 @@
+"""What every model family gives the runner and the loader, in one place."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagestream.engine.layers.attention import AttentionMetadata, PagedAttention
+from pagestream.engine.layers.rotary import rope_settings
+from pagestream.kernels.reference import soft_cap
+
+
+class CausalLM(nn.Module):
+    """Base of the families: ``forward(input_ids, positions, meta, cos_sin_cache) -> hidden``,
+    ``compute_logits(hidden)``, and the facts the runner sizes the KV pool and RoPE table by
+    (``num_kv_heads``, ``head_dim``, ``rope_theta``, ``rope_scaling``).
+
+    Loader hooks: ``packed_modules`` (HF fragment -> (packed fragment, shard index); the owning
+    module's ``packed_shard_sizes`` gives the sizes) and ``hf_renames`` (HF fragment -> ours).
+    """
+
+    packed_modules: dict[str, tuple[str, int]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    hf_renames: dict[str, str] = {}
+    final_logit_softcap: float | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+
+    def init_decoder_facts(self, cfg: dict, tie_default: bool) -> None:
+        """head_dim, num_kv_heads, RoPE settings and the LM head (None when tied) of a RoPE decoder."""
+        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        self.rope_theta, self.rope_scaling = rope_settings(cfg)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", tie_default))
+        self.lm_head = None
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [m for m in self.modules() if isinstance(m, PagedAttention)]
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, cos_sin_cache) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, cos_sin_cache)  # [num_tokens, hidden]
+
+    def input_embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def output_embedding(self) -> torch.Tensor:  # [vocab, hidden]
+        return (self.input_embedding() if self.lm_head is None else self.lm_head).weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
+        return soft_cap(F.linear(hidden, self.output_embedding()), self.final_logit_softcap)
