@@ -326,6 +326,7 @@ def profile(shape, device, args) -> dict:
         engine.step()
     _sync(device)
     wall_ms = (time.perf_counter() - t0) / n_steps * 1e3
+    phases = host_phases(engine, n_steps)
     with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(n_steps):
             engine.step()
@@ -356,7 +357,42 @@ def profile(shape, device, args) -> dict:
         "profiled_window_ms_per_step": window / 1e3 / n_steps,
         "gpu_idle_fraction": 1 - busy / window if window else None,
         "top_kernels_ms_per_step": {k[:90]: v / 1e3 / n_steps for k, v in top},
+        "host_ms_per_step": phases,
     }
+
+
+def host_phases(engine, n_steps) -> dict:
+    """Host time per step by phase over n_steps (wrapping the engine's methods for the run);
+    'wait' is the host blocked on the previous step's tokens, i.e. the device is the bottleneck."""
+    from pagestream.engine import sampler as sampler_mod
+
+    acc: dict[str, float] = {}
+    targets = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "prepare", "prepare"),
+               (engine.runner, "execute", "execute (prepare + launch + sample launch)"),
+               (engine, "_read_tokens", "read tokens (wait + detok + stops + outputs)"),
+               (engine, "_check_stop", "detokenize + stop checks"), (engine, "_make_output", "build outputs"),
+               (sampler_mod.HostSample, "wait", "wait for the device")]
+    saved = []
+    for obj, name, key in targets:
+        fn = getattr(obj, name)
+        saved.append((obj, name, fn))
+
+        def timed(*a, _fn=fn, _key=key, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_key] = acc.get(_key, 0.0) + time.perf_counter() - t
+        setattr(obj, name, timed)
+    t0 = time.perf_counter()
+    try:
+        for _ in range(n_steps):
+            engine.step()
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    acc["step (total)"] = time.perf_counter() - t0
+    return {k: round(v / n_steps * 1e3, 3) for k, v in acc.items()}
 
 
 def main():

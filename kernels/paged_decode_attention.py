@@ -32,7 +32,7 @@ from pagestream.kernels._checks import (
 from pagestream.kernels._softcap import softcap_log2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bts"])  # the table width varies per eager step
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,

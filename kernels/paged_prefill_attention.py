@@ -93,7 +93,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bts"])  # they vary per step: no compile mid-run
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr,
     qk_scale, softcap, softcap_log2e, window, num_seqs,
