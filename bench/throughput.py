@@ -10,7 +10,8 @@ directory so detokenization runs as it does for users):
   1b-prefix     Llama-3.2-1B shape, 256 requests sharing a 1,024-token prefix (+64 own) -> 64, cache on vs off
   8b-fixed      Llama-3-8B shape, 256 prompts x 512 -> 128
   8b-prefill    Llama-3-8B shape, one prefill-only step of 16,384 tokens, first call and tenth, vs its FLOP floor
-  1b-profile    torch profiler over 24 decode steps of 256 sequences: GPU busy/idle between steps, top kernels
+  1b-profile    torch profiler over 24 decode steps of 256 sequences: GPU busy/idle between steps, top kernels,
+                host time per phase (--output-kind delta: per-step outputs, as the worker asks for them)
   8b-profile    the same on the Llama-3-8B shape
 Each throughput row: output tok/s, req/s, TTFT and TPOT percentiles, KV waste, preemptions, the floor
 (ARCHITECTURE.md "Performance method") and HF static `generate` on the same prompts in the same run.
@@ -110,33 +111,32 @@ def pct(xs, q):
 
 
 def run_engine(llm, prompts, params_list, device) -> dict:
-    """Drive the engine step by step (as LLM.generate does) and time each request."""
+    """Drive the engine step by step as LLM.generate does (whole outputs, output_kind="final"),
+    and time each request from the engine's own metrics."""
+    import dataclasses
+
     engine = llm.llm_engine
-    t0 = time.perf_counter()
-    first, last, ntok, sched_at = {}, {}, {}, {}
+    t0 = time.monotonic()
+    finals = {}
     for i, (p, sp) in enumerate(zip(prompts, params_list)):
-        engine.add_request(f"b{i}", prompt_token_ids=p, params=sp)
+        engine.add_request(f"b{i}", prompt_token_ids=p, params=dataclasses.replace(sp, output_kind="final"))
     pre0 = engine.stats().num_preemptions
     waste = []
     steps = 0
     while engine.has_unfinished_requests():
         outs = engine.step()
         steps += 1
-        now = time.perf_counter()
+        now = time.monotonic()
         for o in outs:
-            n = sum(len(c.token_ids) for c in o.outputs)
-            if n and o.request_id not in first:
-                first[o.request_id] = now
-            ntok[o.request_id] = ntok.get(o.request_id, 0) + n
             if o.finished:
-                last[o.request_id] = now
+                finals[o.request_id] = (now, o.metrics["time_to_first_token"], sum(len(c.token_ids) for c in o.outputs))
         if steps % 16 == 0:
             waste.append(engine.stats().kv_waste)
     _sync(device)
-    dt = time.perf_counter() - t0
-    total = sum(ntok.values())
-    ttft = [first[r] - t0 for r in first]
-    tpot = [(last[r] - first[r]) / (ntok[r] - 1) for r in last if ntok[r] > 1]
+    dt = time.monotonic() - t0
+    total = sum(n for _, _, n in finals.values())
+    ttft = [t for _, t, _ in finals.values()]
+    tpot = [(end - t0 - t) / (n - 1) for end, t, n in finals.values() if n > 1]
     return {
         "seconds": dt, "output_tokens": total, "output_tok_s": total / dt, "req_s": len(prompts) / dt, "steps": steps,
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "max_queue_wait_s": max(ttft),
@@ -314,7 +314,7 @@ def profile(shape, device, args) -> dict:
     rng = random.Random(6)
     llm = make_llm(model_dir, device, args)
     engine = llm.llm_engine
-    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, output_kind=args.output_kind)
     for i in range(256):
         engine.add_request(f"p{i}", prompt_token_ids=[rng.randrange(3, vocab) for _ in range(512)], params=sp)
     for _ in range(90):  # prefill, then decode up to ~600-token contexts
@@ -401,6 +401,8 @@ def main():
     ap.add_argument("--workloads", default="1b-profile,1b-fixed,1b-lognormal,8b-fixed,8b-prefill,1b-prefix")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF static generate peer")
+    ap.add_argument("--output-kind", default="final", choices=("final", "delta"),
+                    help="profile workloads: whole outputs (LLM.generate) or per-step deltas (the worker)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     device = torch.device(args.device)

@@ -26,6 +26,8 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self.stop_reason: str | None = None
         self._stream = None
+        # Only the final text is wanted and no stop string needs watching: decode once, at the end.
+        self.deferred = params.output_kind == "final" and not self.stop_strs
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
             from tokenizers.decoders import DecodeStream
@@ -50,7 +52,7 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> bool:
         """Feed one output token. Returns True when a stop string ended the text."""
         self.output_ids.append(token_id)
-        if self.tokenizer is None or self.stop_reason is not None:
+        if self.tokenizer is None or self.stop_reason is not None or self.deferred:
             return False
         new = self._new_text(token_id)
         if not new:
@@ -79,7 +81,11 @@ class IncrementalDetokenizer:
 
     def take_delta(self, finished: bool) -> str:
         """The text that may be shown now; all of it once the sample is finished."""
-        if finished:
+        if self.deferred:
+            if not finished or self.tokenizer is None:
+                return ""
+            self.text = self._decode(self.output_ids)
+        elif finished:
             self._flush()
         limit = len(self.text) if finished or not self.hold else max(self.num_emitted, len(self.text) - self.hold)
         delta = self.text[self.num_emitted : limit]

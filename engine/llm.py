@@ -1,6 +1,7 @@
 """The offline front, vLLM-compatible: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Sequence as Seq
 
@@ -59,6 +60,11 @@ class LLM:
         params_list = [sampling_params] * len(inputs) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params_list) != len(inputs):
             raise ValueError(f"got {len(params_list)} sampling params for {len(inputs)} prompts")
+        # generate() returns whole outputs: the engine need not detokenize or report every step
+        final: dict[int, SamplingParams] = {}
+        for k, p in enumerate(params_list):
+            if isinstance(p, SamplingParams) and p.output_kind != "final":
+                params_list[k] = final.setdefault(id(p), dataclasses.replace(p, output_kind="final"))
         ids = [f"gen-{next(self._ids)}" for _ in inputs]
         added = []
         try:

@@ -275,6 +275,8 @@ class LLMEngine:
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
+            if req.params.output_kind == "final" and not req.finished:
+                continue
             out = self._make_output(req)
             outputs.append(out)
             if out.finished:

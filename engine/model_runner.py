@@ -257,29 +257,36 @@ class ModelRunner:
         gather_src: list[int] = []
         prev_rows = prev.rows if prev is not None else {}
         max_q = 0
+        num_tokens = 0
         for seq, n in sched.num_scheduled_tokens.items():
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            start = seq.num_computed_tokens
+            end = start + n
             table = seq.block_table
+            token_ids = seq.token_ids
+            known = len(token_ids)
             if n == 1:  # decode: the common case, kept cheap
-                if start < seq.num_tokens:
-                    input_ids.append(seq.token_ids[start])
+                if start < known:
+                    input_ids.append(token_ids[start])
                 else:  # the token is still on the device, sampled by the step in flight
-                    gather_dst.append(len(input_ids))
+                    gather_dst.append(num_tokens)
                     gather_src.append(prev_rows[seq])
                     input_ids.append(0)
                 positions.append(start)
                 slot_mapping.append(table[start // bs] * bs + start % bs)
             else:
-                input_ids.extend(seq.token_ids[start:end])
+                input_ids.extend(token_ids[start:end])
                 positions.extend(range(start, end))
-                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            cu_seqlens.append(cu_seqlens[-1] + n)
+                slot_mapping.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+                if n > max_q:
+                    max_q = n
+            num_tokens += n
+            cu_seqlens.append(num_tokens)
             context_lens.append(end)
             tables.append(table)
-            max_q = max(max_q, n)
-            if end == seq.num_planned_tokens:
-                sample_rows.append(cu_seqlens[-1] - 1)
+            if end == known + seq.num_pending_tokens:
+                sample_rows.append(num_tokens - 1)
                 sample_seqs.append(seq)
+        max_q = max_q or 1
         n_seq, width = len(tables), max(len(t) for t in tables)
         pin = self.device.type == "cuda"
         # Each segment starts on a 64-byte boundary: Triton specialises kernels on 16-byte
@@ -287,9 +294,13 @@ class ModelRunner:
         longs, (ids, pos, slots, rows, dst, src) = _packed(
             torch.long, pin, input_ids, positions, slot_mapping, sample_rows, gather_dst, gather_src)
         ints, (ctx, cu, bt) = _packed(torch.int32, pin, context_lens, cu_seqlens, n_seq * width)
-        btv = bt.numpy().reshape(n_seq, width)
-        for i, table in enumerate(tables):
-            btv[i, : len(table)] = table
+        # One assignment of a flat list beats a numpy row write per sequence.
+        flat: list[int] = []
+        pad = [0] * width
+        for table in tables:
+            flat += table
+            flat += pad[len(table):]
+        bt.numpy()[:] = flat
         if pin:
             dev_longs = longs.to(self.device, non_blocking=True)
             dev_ints = ints.to(self.device, non_blocking=True)

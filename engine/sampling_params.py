@@ -31,6 +31,10 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs returned per output token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # "delta": every step reports the new tokens and text (streaming, the worker);
+    # "final": one output when the request ends (LLM.generate), so a step does no
+    # per-token detokenization or output building for it (stop strings still checked live)
+    output_kind: str = "delta"
     _stop_strs: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +71,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.output_kind not in ("delta", "final"):
+            raise ValueError(f"output_kind must be 'delta' or 'final', got {self.output_kind!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
 
