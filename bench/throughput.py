@@ -375,7 +375,7 @@ def host_phases(engine, n_steps) -> dict:
     saved = []
     for obj, name, key in targets:
         fn = getattr(obj, name)
-        saved.append((obj, name, fn))
+        saved.append((obj, name, vars(obj).get(name)))  # None: the attribute came from the class
 
         def timed(*a, _fn=fn, _key=key, **k):
             t = time.perf_counter()
@@ -389,8 +389,11 @@ def host_phases(engine, n_steps) -> dict:
         for _ in range(n_steps):
             engine.step()
     finally:
-        for obj, name, fn in saved:
-            setattr(obj, name, fn)
+        for obj, name, own in saved:
+            if own is None:
+                delattr(obj, name)  # no instance attribute left behind (a bound method would be a cycle)
+            else:
+                setattr(obj, name, own)
     acc["step (total)"] = time.perf_counter() - t0
     return {k: round(v / n_steps * 1e3, 3) for k, v in acc.items()}
 
