@@ -33,7 +33,7 @@ from pagestream.worker.consumer import Consumer, Delivery
 from pagestream.worker.control import ControlThread
 from pagestream.worker.jobs import ActiveJob, InvalidJob, NoAckPipe, SampleOutput, load_history, parse_delivery, salvage
 from pagestream.worker.metrics import WorkerMetrics
-from pagestream.worker.publisher import Ack, Delta, Final, Publisher, Start
+from pagestream.worker.publisher import Ack, Delta, Final, Publisher, Start, UNKNOWN_JOB_ID, safe_text
 from pagestream.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -222,23 +222,14 @@ class Worker:
         for d in deliveries:
             with self._lock:
                 self._held.add((d.lane, d.entry_id))
-            if d.fields is None:  # deleted from the stream while pending
-                ops.append(Ack(d.lane, [d.entry_id]))
-                continue
             try:
-                job = parse_delivery(d)
-            except InvalidJob as exc:
-                ops.extend(self._reject(d, str(exc)))
+                a = self._check_entry(d, ops)
+            except Exception as exc:  # whatever one entry does, it fails alone: the batch and the loop go on
+                log.exception("entry %s/%s could not be processed", d.lane, d.entry_id)
+                ops.extend(self._reject(d, f"entry could not be processed: {type(exc).__name__}: {exc}"))
                 continue
-            if d.deliveries > self.settings.max_deliveries:
-                ops.extend(self._reject(d, f"failed {d.deliveries - 1} deliveries (max_deliveries={self.settings.max_deliveries})", job))
-                continue
-            mine = self._active.get(job.job_id) or next((a for a in self._buffer if a.job_id == job.job_id), None)
-            if mine is not None:
-                if (mine.delivery.lane, mine.delivery.entry_id) != (d.lane, d.entry_id):
-                    ops.append(Ack(d.lane, [d.entry_id]))  # a second entry for a job this worker already runs
-                continue
-            ready.append(ActiveJob(d, job))
+            if a is not None:
+                ready.append(a)
         if ready:
             try:
                 ops.extend(self._check_state(ready))
@@ -252,13 +243,33 @@ class Worker:
                 raise
         self.publisher.put(ops)
 
+    def _check_entry(self, d: Delivery, ops: list[object]) -> ActiveJob | None:
+        if d.fields is None:  # deleted from the stream while pending
+            ops.append(Ack(d.lane, [d.entry_id]))
+            return None
+        try:
+            job = parse_delivery(d, self.settings.max_entry_bytes)
+        except InvalidJob as exc:
+            ops.extend(self._reject(d, str(exc)))
+            return None
+        if d.deliveries > self.settings.max_deliveries:
+            ops.extend(self._reject(d, f"failed {d.deliveries - 1} deliveries (max_deliveries={self.settings.max_deliveries})", job))
+            return None
+        mine = self._active.get(job.job_id) or next((a for a in self._buffer if a.job_id == job.job_id), None)
+        if mine is not None:
+            if (mine.delivery.lane, mine.delivery.entry_id) != (d.lane, d.entry_id):
+                ops.append(Ack(d.lane, [d.entry_id]))  # a second entry for a job this worker already runs
+            return None
+        return ActiveJob(d, job)
+
     def _reject(self, d: Delivery, reason: str, job: JobRequest | None = None) -> list[object]:
         """An invalid or poison entry: failed result (if it names a job), copy to the DLQ, ack."""
-        log.info("dead-lettering %s/%s: %s", d.lane, d.entry_id, reason)
+        reason = safe_text(reason)
+        log.info("dead-lettering %s/%s: %s", d.lane, d.entry_id, reason[:500])
         self.metrics.dead_letters.inc()
         self.metrics.jobs.labels(JobStatus.FAILED.value).inc()
-        job_id, output, ttl, meta = salvage(d, job)
-        result = JobResult(job_id=job_id or "?", status=JobStatus.FAILED, error=reason, worker=self.name, deliveries=d.deliveries, metadata=meta)
+        job_id, output, ttl, meta = salvage(d, job, self.settings.max_entry_bytes)
+        result = JobResult(job_id=job_id or UNKNOWN_JOB_ID, status=JobStatus.FAILED, error=reason, worker=self.name, deliveries=d.deliveries, metadata=meta)
         if output is not None and output.kind == "bulk":
             stub = job or JobRequest.model_construct(job_id=job_id or f"entry-{d.entry_id}", output=output, metadata=meta)
             if self._to_sink(d, stub, result):
