@@ -7,14 +7,21 @@ consumers that stopped doing so (dead or hung).
 """
 from __future__ import annotations
 
+import json
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
 
 from pagestream.producer import keys
 from pagestream.producer.schema import DeadLetter
 from pagestream.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Keep the idle time of entries this consumer still owns at zero; report those it lost
 # (reclaimed by another consumer after a lease expired). Checking ownership and
@@ -48,6 +55,16 @@ def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
+def entry_size(fields: dict[bytes, bytes] | None) -> int:
+    """Bytes of a raw stream entry (field names and values)."""
+    return sum(len(k) + len(v) for k, v in (fields or {}).items())
+
+
+def is_nogroup(exc: BaseException) -> bool:
+    """Redis lost the consumer group (or the whole stream): FLUSHALL, a restart without persistence, a failover."""
+    return isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc)
+
+
 class Consumer:
     def __init__(self, client: redis.Redis, settings: WorkerSettings) -> None:
         # ``client`` must return bytes (decode_responses=False): payloads may be non-UTF-8.
@@ -70,10 +87,25 @@ class Consumer:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
+    def _regrouped(self, call: Callable[[], T]) -> T:
+        """Run a group command; if Redis lost the group, recreate every lane's group and run it again."""
+        try:
+            return call()
+        except redis.ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+        log.warning("consumer group %r is gone (Redis lost its state: FLUSHALL, restart without persistence "
+                    "or failover); recreating it on %s", self.group, self.lanes)
+        self.ensure_groups()
+        return call()
+
     # -- reading -------------------------------------------------------------------------
 
     def recover_own(self, max_count: int) -> list[Delivery]:
         """Entries already in this consumer's PEL (a restart under the same name)."""
+        return self._regrouped(lambda: self._recover_own(max_count))
+
+    def _recover_own(self, max_count: int) -> list[Delivery]:
         out: list[Delivery] = []
         for lane in self.lanes:
             if len(out) >= max_count:
@@ -88,6 +120,9 @@ class Consumer:
 
         With ``block_ms`` and nothing available, waits on all lanes at once.
         """
+        return self._regrouped(lambda: self._read(max_count, block_ms))
+
+    def _read(self, max_count: int, block_ms: int | None) -> list[Delivery]:
         out: list[Delivery] = []
         if max_count <= 0:
             return out
@@ -110,6 +145,9 @@ class Consumer:
 
     def reclaim(self, max_count: int) -> list[Delivery]:
         """XAUTOCLAIM entries idle longer than the lease (their consumer stopped refreshing)."""
+        return self._regrouped(lambda: self._reclaim(max_count))
+
+    def _reclaim(self, max_count: int) -> list[Delivery]:
         out: list[Delivery] = []
         for lane in self.lanes:
             n = max_count - len(out)
@@ -141,8 +179,17 @@ class Consumer:
         for lane, ids in held.items():
             for start in range(0, len(ids), 256):
                 chunk = ids[start : start + 256]
-                for entry_id in self._refresh(keys=[self.stream(lane)], args=[self.group, self.name, *chunk]):
-                    lost.append((lane, _s(entry_id)))
+                try:
+                    found = self._refresh(keys=[self.stream(lane)], args=[self.group, self.name, *chunk])
+                except redis.ResponseError as exc:
+                    if not is_nogroup(exc):
+                        raise
+                    # the group and its PEL are gone with whatever Redis lost: nothing of ours is held there
+                    log.warning("consumer group %r on lane %s is gone; dropping %d held entries", self.group, lane, len(ids))
+                    self.ensure_groups()
+                    lost.extend((lane, eid) for eid in ids)
+                    break
+                lost.extend((lane, _s(entry_id)) for entry_id in found)
         return lost
 
     def ack(self, lane: str, entry_ids: list[str], pipeline: redis.client.Pipeline | None = None) -> None:
@@ -158,7 +205,11 @@ class Consumer:
         job_id: str | None = None,
         pipeline: redis.client.Pipeline | None = None,
     ) -> None:
-        """Copy the entry (raw payload, reason, delivery count) to the DLQ and XACK it, atomically."""
+        """Copy the entry (payload, reason, delivery count) to the DLQ and XACK it, atomically.
+
+        The DLQ keeps at most ``dead_letter_payload_bytes`` of the payload; a ``truncated``
+        field says how big the entry was, so one oversized entry does not cost its size twice.
+        """
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=True)
         meta = DeadLetter(
             lane=delivery.lane,
@@ -169,8 +220,19 @@ class Consumer:
             worker=self.name,
         )
         fields: dict[str | bytes, bytes | str] = {"meta": meta.model_dump_json()}
-        for k, v in (delivery.fields or {}).items():
-            fields[b"payload:" + (k if isinstance(k, bytes) else k.encode())] = v
+        budget = self.settings.dead_letter_payload_bytes
+        payload = delivery.fields or {}
+        kept = 0
+        for k, v in payload.items():
+            k = k if isinstance(k, bytes) else k.encode()
+            if kept + len(k) > budget:
+                break
+            v = v[: budget - kept - len(k)]
+            fields[b"payload:" + k] = v
+            kept += len(k) + len(v)
+        size = entry_size(payload)
+        if kept < size:
+            fields["truncated"] = json.dumps({"entry_bytes": size, "kept_bytes": kept, "fields": len(payload)})
         pipe.xadd(keys.dead_letter_stream(), fields, maxlen=self.settings.dead_letter_maxlen, approximate=True)
         pipe.xack(self.stream(delivery.lane), self.group, delivery.entry_id)
         if pipeline is None:
