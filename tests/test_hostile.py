@@ -197,3 +197,30 @@ def test_groups_lost_while_jobs_run_are_recreated_and_new_jobs_run(r, redis_url,
         t.join(30)
     assert not t.is_alive()
     assert redis.Redis.from_url(redis_url).xpending(LANE, "workers")["pending"] == 0
+
+
+def test_a_redis_restart_without_persistence_is_survived(tmp_path):
+    """A private redis-server (no RDB, no AOF) killed and started again on the same port."""
+    from pagestream.producer import Producer
+    from tests.queue_helpers import start_redis_server
+
+    proc, url = start_redis_server(tmp_path)
+    client = redis.Redis.from_url(url)
+    engine = FakeEngine(FakeConfig(max_num_seqs=4))
+    w = Worker(client, engine, WorkerSettings(redis_url=url, consumer="w1", publish_interval_ms=2, block_ms=50))
+    t = threading.Thread(target=w.run)
+    t.start()
+    try:
+        with Producer.from_url(url) as p:
+            _assert_exact(client, p, engine, _good_jobs(p, 2, "before"))
+        proc.kill()
+        proc.wait(10)
+        proc, url = start_redis_server(tmp_path, port=client.connection_pool.connection_kwargs["port"])
+        with Producer.from_url(url) as p:
+            _assert_exact(client, p, engine, _good_jobs(p, 3, "after"))
+    finally:
+        w.request_stop()
+        t.join(30)
+        proc.kill()
+        proc.wait(10)
+    assert not t.is_alive()
