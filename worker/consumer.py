@@ -40,6 +40,45 @@ end
 return lost
 """
 
+#: field that stands in for the payload of an entry cut down by ``_READ_LUA`` (value: its size in bytes)
+OVERSIZED_FIELD = b"__oversized_bytes__"
+
+# Read (XREADGROUP, no BLOCK) or reclaim (XAUTOCLAIM) entries, cutting any entry over
+# max_bytes down to its first keep_bytes before it leaves Redis: whatever a raw XADD
+# queued, one pull costs the worker at most count x max_bytes.
+# KEYS: stream. ARGV: 'read'|'claim', group, consumer, count, id (read) or min_idle_ms (claim), max_bytes, keep_bytes
+_READ_LUA = """
+local entries
+if ARGV[1] == 'read' then
+  local resp = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', ARGV[4], 'STREAMS', KEYS[1], ARGV[5])
+  if not resp then return {} end
+  entries = resp[1][2]
+else
+  entries = redis.call('XAUTOCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[5], '0-0', 'COUNT', ARGV[4])[2]
+end
+local max_bytes, keep = tonumber(ARGV[6]), tonumber(ARGV[7])
+for _, e in ipairs(entries) do
+  local f = e[2]
+  if f then
+    local size = 0
+    for i = 1, #f do size = size + #f[i] end
+    if size > max_bytes then
+      local cut = {'""" + OVERSIZED_FIELD.decode() + """', tostring(size)}
+      local left = keep
+      for i = 1, #f, 2 do
+        if left <= #f[i] then break end
+        local v = string.sub(f[i + 1], 1, left - #f[i])
+        left = left - #f[i] - #v
+        table.insert(cut, f[i])
+        table.insert(cut, v)
+      end
+      e[2] = cut
+    end
+  end
+end
+return entries
+"""
+
 
 @dataclass(slots=True)
 class Delivery:
@@ -56,8 +95,10 @@ def _s(v: bytes | str) -> str:
 
 
 def entry_size(fields: dict[bytes, bytes] | None) -> int:
-    """Bytes of a raw stream entry (field names and values)."""
-    return sum(len(k) + len(v) for k, v in (fields or {}).items())
+    """Bytes of a raw stream entry (field names and values), as queued even if it was cut on reading."""
+    size = sum(len(k) + len(v) for k, v in (fields or {}).items())
+    queued = (fields or {}).get(OVERSIZED_FIELD, b"")
+    return max(size, int(queued)) if queued.isdigit() else size
 
 
 def is_nogroup(exc: BaseException) -> bool:
@@ -74,6 +115,14 @@ class Consumer:
         self.name = settings.consumer
         self.lanes = list(settings.lanes)
         self._refresh = client.register_script(_REFRESH_LUA)
+        self._read_cut = client.register_script(_READ_LUA)
+
+    def _pull(self, lane: str, mode: str, count: int, arg: str | int) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+        """Entries of one lane (``_READ_LUA``), oversized ones cut down, fields as a dict (None: deleted)."""
+        rows = self._read_cut(keys=[self.stream(lane)], args=[
+            mode, self.group, self.name, count, arg, self.settings.max_entry_bytes, self.settings.dead_letter_payload_bytes,
+        ])
+        return [(i, dict(zip(f[::2], f[1::2])) if f else None) for i, f in rows]
 
     def stream(self, lane: str) -> str:
         return keys.jobs_stream(lane)
@@ -110,9 +159,7 @@ class Consumer:
         for lane in self.lanes:
             if len(out) >= max_count:
                 break
-            resp = self.redis.xreadgroup(self.group, self.name, {self.stream(lane): "0"}, count=max_count - len(out))
-            entries = resp[0][1] if resp else []
-            out.extend(self._with_counts(lane, [(e[0], e[1]) for e in entries]))
+            out.extend(self._with_counts(lane, self._pull(lane, "read", max_count - len(out), "0")))
         return out
 
     def read(self, max_count: int, block_ms: int | None = None) -> list[Delivery]:
@@ -130,11 +177,10 @@ class Consumer:
             n = max_count - len(out)
             if n <= 0:
                 break
-            resp = self.redis.xreadgroup(self.group, self.name, {self.stream(lane): ">"}, count=n)
-            for _, entries in resp or []:
-                out.extend(Delivery(lane, _s(i), f, 1) for i, f in entries)
+            out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
         if out or not block_ms:
             return out
+        # one entry at most: the one read that is not cut down by _READ_LUA (Lua cannot block)
         resp = self.redis.xreadgroup(
             self.group, self.name, {self.stream(lane): ">" for lane in self.lanes}, count=1, block=block_ms
         )
@@ -153,10 +199,7 @@ class Consumer:
             n = max_count - len(out)
             if n <= 0:
                 break
-            _, claimed, _deleted = self.redis.xautoclaim(
-                self.stream(lane), self.group, self.name, min_idle_time=self.settings.lease_ms, start_id="0-0", count=n
-            )
-            out.extend(self._with_counts(lane, claimed))
+            out.extend(self._with_counts(lane, self._pull(lane, "claim", n, self.settings.lease_ms)))
         return out
 
     def _with_counts(self, lane: str, entries: list) -> list[Delivery]:
