@@ -235,6 +235,23 @@ class Consumer:
                 lost.extend((lane, _s(entry_id)) for entry_id in found)
         return lost
 
+    def release(self, deliveries: list[Delivery], count_delivery: bool = False) -> None:
+        """Hand entries back: mark them idle past the lease so any worker reclaims them at once.
+
+        A stop is not the job's fault, so by default the delivery is not counted toward
+        ``max_deliveries`` (the reclaim will count the next one).
+        """
+        for d in deliveries:
+            try:
+                self.redis.xclaim(
+                    self.stream(d.lane), self.group, self.name, 0, [d.entry_id],
+                    idle=self.settings.lease_ms + 1,
+                    retrycount=None if d.deliveries <= 0 else d.deliveries if count_delivery else d.deliveries - 1,
+                    justid=True,
+                )
+            except redis.RedisError as exc:
+                log.warning("could not release %s: %s", d.entry_id, exc)
+
     def ack(self, lane: str, entry_ids: list[str], pipeline: redis.client.Pipeline | None = None) -> None:
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
         pipe.xack(self.stream(lane), self.group, *entry_ids)

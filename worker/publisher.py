@@ -67,6 +67,14 @@ class Ack:
     entry_ids: list[str]
 
 
+def acks(entries: list[tuple[str, str]]) -> list[Ack]:
+    """One ``Ack`` per lane for (lane, entry_id) pairs."""
+    by_lane: dict[str, list[str]] = {}
+    for lane, eid in entries or []:
+        by_lane.setdefault(lane, []).append(eid)
+    return [Ack(lane, ids) for lane, ids in by_lane.items()]
+
+
 @dataclass(slots=True)
 class _Batch:
     deltas: list[Delta] = field(default_factory=list)
