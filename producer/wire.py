@@ -22,6 +22,13 @@ def _reject_constant(name: str) -> Any:
     raise UntrustedJSONError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):  # 1e400 parses to inf: as unwritable as Infinity
+        raise UntrustedJSONError(f"number {text[:40]} is out of range for a float")
+    return value
+
+
 def loads_untrusted(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Parse JSON that crossed a trust boundary, refusing what could hurt a reader later.
 
@@ -40,10 +47,12 @@ def loads_untrusted(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_JS
         except UnicodeDecodeError as exc:
             raise UntrustedJSONError(f"payload is not valid UTF-8: {exc}") from None
     try:
-        value = json.loads(raw, parse_constant=_reject_constant)
+        value = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError:
         raise UntrustedJSONError(f"JSON nested deeper than {max_depth} levels") from None
-    except json.JSONDecodeError as exc:
+    except UntrustedJSONError:
+        raise
+    except ValueError as exc:  # JSONDecodeError, and int() refusing a number of more than 4,300 digits
         raise UntrustedJSONError(f"not valid JSON: {exc}") from None
     _check_tree(value, max_depth)
     return value

@@ -92,3 +92,29 @@ def pending_of(r: redis.Redis, lane: str = "normal", group: str = keys.DEFAULT_G
         return {c["name"].decode(): int(c["pending"]) for c in r.xinfo_consumers(keys.jobs_stream(lane), group)}
     except redis.ResponseError:
         return {}
+
+
+def start_redis_server(workdir: Path, port: int | None = None, *args: str) -> tuple[subprocess.Popen, str]:
+    """A private redis-server without persistence on a free loopback port (for restart tests)."""
+    import socket
+
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir), *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )
+    client = redis.Redis(port=port)
+
+    def up() -> bool:
+        try:
+            return bool(client.ping())
+        except redis.ConnectionError:
+            return False
+
+    wait_for(up, 30, f"redis-server on port {port}")
+    client.close()
+    return proc, f"redis://127.0.0.1:{port}/0"

@@ -22,6 +22,8 @@ def test_accepts_ordinary_json_and_unicode():
     (b"\xff\xfe{}", "UTF-8"),
     (b'{"a": 1', "not valid JSON"),
     (b'"' + b"x" * 300_000 + b'"', "bytes"),
+    (b'{"t": 1e400}', "out of range"),
+    (b'{"n": ' + b"9" * 5000 + b"}", "not valid JSON"),
 ])
 def test_refuses_what_cannot_round_trip_or_is_too_big(raw, reason):
     with pytest.raises(UntrustedJSONError, match=reason):

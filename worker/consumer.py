@@ -7,14 +7,21 @@ consumers that stopped doing so (dead or hung).
 """
 from __future__ import annotations
 
+import json
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
 
 from pagestream.producer import keys
 from pagestream.producer.schema import DeadLetter
 from pagestream.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Keep the idle time of entries this consumer still owns at zero; report those it lost
 # (reclaimed by another consumer after a lease expired). Checking ownership and
@@ -33,6 +40,45 @@ end
 return lost
 """
 
+#: field that stands in for the payload of an entry cut down by ``_READ_LUA`` (value: its size in bytes)
+OVERSIZED_FIELD = b"__oversized_bytes__"
+
+# Read (XREADGROUP, no BLOCK) or reclaim (XAUTOCLAIM) entries, cutting any entry over
+# max_bytes down to its first keep_bytes before it leaves Redis: whatever a raw XADD
+# queued, one pull costs the worker at most count x max_bytes.
+# KEYS: stream. ARGV: 'read'|'claim', group, consumer, count, id (read) or min_idle_ms (claim), max_bytes, keep_bytes
+_READ_LUA = """
+local entries
+if ARGV[1] == 'read' then
+  local resp = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', ARGV[4], 'STREAMS', KEYS[1], ARGV[5])
+  if not resp then return {} end
+  entries = resp[1][2]
+else
+  entries = redis.call('XAUTOCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[5], '0-0', 'COUNT', ARGV[4])[2]
+end
+local max_bytes, keep = tonumber(ARGV[6]), tonumber(ARGV[7])
+for _, e in ipairs(entries) do
+  local f = e[2]
+  if f then
+    local size = 0
+    for i = 1, #f do size = size + #f[i] end
+    if size > max_bytes then
+      local cut = {'""" + OVERSIZED_FIELD.decode() + """', tostring(size)}
+      local left = keep
+      for i = 1, #f, 2 do
+        if left <= #f[i] then break end
+        local v = string.sub(f[i + 1], 1, left - #f[i])
+        left = left - #f[i] - #v
+        table.insert(cut, f[i])
+        table.insert(cut, v)
+      end
+      e[2] = cut
+    end
+  end
+end
+return entries
+"""
+
 
 @dataclass(slots=True)
 class Delivery:
@@ -48,6 +94,18 @@ def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
+def entry_size(fields: dict[bytes, bytes] | None) -> int:
+    """Bytes of a raw stream entry (field names and values), as queued even if it was cut on reading."""
+    size = sum(len(k) + len(v) for k, v in (fields or {}).items())
+    queued = (fields or {}).get(OVERSIZED_FIELD, b"")
+    return max(size, int(queued)) if queued.isdigit() else size
+
+
+def is_nogroup(exc: BaseException) -> bool:
+    """Redis lost the consumer group (or the whole stream): FLUSHALL, a restart without persistence, a failover."""
+    return isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc)
+
+
 class Consumer:
     def __init__(self, client: redis.Redis, settings: WorkerSettings) -> None:
         # ``client`` must return bytes (decode_responses=False): payloads may be non-UTF-8.
@@ -57,6 +115,14 @@ class Consumer:
         self.name = settings.consumer
         self.lanes = list(settings.lanes)
         self._refresh = client.register_script(_REFRESH_LUA)
+        self._read_cut = client.register_script(_READ_LUA)
+
+    def _pull(self, lane: str, mode: str, count: int, arg: str | int) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+        """Entries of one lane (``_READ_LUA``), oversized ones cut down, fields as a dict (None: deleted)."""
+        rows = self._read_cut(keys=[self.stream(lane)], args=[
+            mode, self.group, self.name, count, arg, self.settings.max_entry_bytes, self.settings.dead_letter_payload_bytes,
+        ])
+        return [(i, dict(zip(f[::2], f[1::2])) if f else None) for i, f in rows]
 
     def stream(self, lane: str) -> str:
         return keys.jobs_stream(lane)
@@ -70,17 +136,30 @@ class Consumer:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
+    def _regrouped(self, call: Callable[[], T]) -> T:
+        """Run a group command; if Redis lost the group, recreate every lane's group and run it again."""
+        try:
+            return call()
+        except redis.ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+        log.warning("consumer group %r is gone (Redis lost its state: FLUSHALL, restart without persistence "
+                    "or failover); recreating it on %s", self.group, self.lanes)
+        self.ensure_groups()
+        return call()
+
     # -- reading -------------------------------------------------------------------------
 
     def recover_own(self, max_count: int) -> list[Delivery]:
         """Entries already in this consumer's PEL (a restart under the same name)."""
+        return self._regrouped(lambda: self._recover_own(max_count))
+
+    def _recover_own(self, max_count: int) -> list[Delivery]:
         out: list[Delivery] = []
         for lane in self.lanes:
             if len(out) >= max_count:
                 break
-            resp = self.redis.xreadgroup(self.group, self.name, {self.stream(lane): "0"}, count=max_count - len(out))
-            entries = resp[0][1] if resp else []
-            out.extend(self._with_counts(lane, [(e[0], e[1]) for e in entries]))
+            out.extend(self._with_counts(lane, self._pull(lane, "read", max_count - len(out), "0")))
         return out
 
     def read(self, max_count: int, block_ms: int | None = None) -> list[Delivery]:
@@ -88,6 +167,9 @@ class Consumer:
 
         With ``block_ms`` and nothing available, waits on all lanes at once.
         """
+        return self._regrouped(lambda: self._read(max_count, block_ms))
+
+    def _read(self, max_count: int, block_ms: int | None) -> list[Delivery]:
         out: list[Delivery] = []
         if max_count <= 0:
             return out
@@ -95,11 +177,10 @@ class Consumer:
             n = max_count - len(out)
             if n <= 0:
                 break
-            resp = self.redis.xreadgroup(self.group, self.name, {self.stream(lane): ">"}, count=n)
-            for _, entries in resp or []:
-                out.extend(Delivery(lane, _s(i), f, 1) for i, f in entries)
+            out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
         if out or not block_ms:
             return out
+        # one entry at most: the one read that is not cut down by _READ_LUA (Lua cannot block)
         resp = self.redis.xreadgroup(
             self.group, self.name, {self.stream(lane): ">" for lane in self.lanes}, count=1, block=block_ms
         )
@@ -110,15 +191,15 @@ class Consumer:
 
     def reclaim(self, max_count: int) -> list[Delivery]:
         """XAUTOCLAIM entries idle longer than the lease (their consumer stopped refreshing)."""
+        return self._regrouped(lambda: self._reclaim(max_count))
+
+    def _reclaim(self, max_count: int) -> list[Delivery]:
         out: list[Delivery] = []
         for lane in self.lanes:
             n = max_count - len(out)
             if n <= 0:
                 break
-            _, claimed, _deleted = self.redis.xautoclaim(
-                self.stream(lane), self.group, self.name, min_idle_time=self.settings.lease_ms, start_id="0-0", count=n
-            )
-            out.extend(self._with_counts(lane, claimed))
+            out.extend(self._with_counts(lane, self._pull(lane, "claim", n, self.settings.lease_ms)))
         return out
 
     def _with_counts(self, lane: str, entries: list) -> list[Delivery]:
@@ -141,9 +222,35 @@ class Consumer:
         for lane, ids in held.items():
             for start in range(0, len(ids), 256):
                 chunk = ids[start : start + 256]
-                for entry_id in self._refresh(keys=[self.stream(lane)], args=[self.group, self.name, *chunk]):
-                    lost.append((lane, _s(entry_id)))
+                try:
+                    found = self._refresh(keys=[self.stream(lane)], args=[self.group, self.name, *chunk])
+                except redis.ResponseError as exc:
+                    if not is_nogroup(exc):
+                        raise
+                    # the group and its PEL are gone with whatever Redis lost: nothing of ours is held there
+                    log.warning("consumer group %r on lane %s is gone; dropping %d held entries", self.group, lane, len(ids))
+                    self.ensure_groups()
+                    lost.extend((lane, eid) for eid in ids)
+                    break
+                lost.extend((lane, _s(entry_id)) for entry_id in found)
         return lost
+
+    def release(self, deliveries: list[Delivery], count_delivery: bool = False) -> None:
+        """Hand entries back: mark them idle past the lease so any worker reclaims them at once.
+
+        A stop is not the job's fault, so by default the delivery is not counted toward
+        ``max_deliveries`` (the reclaim will count the next one).
+        """
+        for d in deliveries:
+            try:
+                self.redis.xclaim(
+                    self.stream(d.lane), self.group, self.name, 0, [d.entry_id],
+                    idle=self.settings.lease_ms + 1,
+                    retrycount=None if d.deliveries <= 0 else d.deliveries if count_delivery else d.deliveries - 1,
+                    justid=True,
+                )
+            except redis.RedisError as exc:
+                log.warning("could not release %s: %s", d.entry_id, exc)
 
     def ack(self, lane: str, entry_ids: list[str], pipeline: redis.client.Pipeline | None = None) -> None:
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
@@ -158,7 +265,11 @@ class Consumer:
         job_id: str | None = None,
         pipeline: redis.client.Pipeline | None = None,
     ) -> None:
-        """Copy the entry (raw payload, reason, delivery count) to the DLQ and XACK it, atomically."""
+        """Copy the entry (payload, reason, delivery count) to the DLQ and XACK it, atomically.
+
+        The DLQ keeps at most ``dead_letter_payload_bytes`` of the payload; a ``truncated``
+        field says how big the entry was, so one oversized entry does not cost its size twice.
+        """
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=True)
         meta = DeadLetter(
             lane=delivery.lane,
@@ -169,8 +280,19 @@ class Consumer:
             worker=self.name,
         )
         fields: dict[str | bytes, bytes | str] = {"meta": meta.model_dump_json()}
-        for k, v in (delivery.fields or {}).items():
-            fields[b"payload:" + (k if isinstance(k, bytes) else k.encode())] = v
+        budget = self.settings.dead_letter_payload_bytes
+        payload = delivery.fields or {}
+        kept = 0
+        for k, v in payload.items():
+            k = k if isinstance(k, bytes) else k.encode()
+            if kept + len(k) > budget:
+                break
+            v = v[: budget - kept - len(k)]
+            fields[b"payload:" + k] = v
+            kept += len(k) + len(v)
+        size = entry_size(payload)
+        if kept < size:
+            fields["truncated"] = json.dumps({"entry_bytes": size, "kept_bytes": kept, "fields": len(payload)})
         pipe.xadd(keys.dead_letter_stream(), fields, maxlen=self.settings.dead_letter_maxlen, approximate=True)
         pipe.xack(self.stream(delivery.lane), self.group, delivery.entry_id)
         if pipeline is None:

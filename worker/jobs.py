@@ -1,7 +1,6 @@
 """What a lane entry becomes inside a worker: parsing, salvage of broken entries, resume history."""
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,10 +10,16 @@ from pydantic import ValidationError
 
 from pagestream.producer import keys
 from pagestream.producer.schema import JOB_ID_PATTERN, JobRequest, OutputTarget, format_validation_error
-from pagestream.producer.wire import JOB_FIELD, EventDeduper, decode_out_entry
-from pagestream.worker.consumer import Delivery
+from pagestream.producer.wire import JOB_FIELD, EventDeduper, UntrustedJSONError, decode_out_entry, loads_untrusted
+from pagestream.worker.consumer import Delivery, entry_size
 
 _JOB_ID_RE = re.compile(JOB_ID_PATTERN)
+# A job id written the way JobRequest serializes it; ends at its closing quote, so a longer or
+# escaped value never matches. Used only on payloads that do not parse.
+_RAW_JOB_ID_RE = re.compile(rb'"job_id"\s*:\s*"(' + JOB_ID_PATTERN.strip("^$").encode() + rb')"')
+#: how far into a broken payload ``salvage`` looks for a job id (the producer writes it second)
+SALVAGE_SCAN_BYTES = 64 * 1024
+DEFAULT_RESULT_TTL_S = 24 * 3600
 
 
 @dataclass
@@ -47,17 +52,27 @@ class InvalidJob(Exception):
     """A job that can never run (bad payload, bad params, prompt too long...)."""
 
 
-def parse_delivery(d: Delivery) -> JobRequest:
-    """The JobRequest in a lane entry; ``InvalidJob`` saying what is wrong otherwise."""
+def parse_delivery(d: Delivery, max_entry_bytes: int) -> JobRequest:
+    """The JobRequest in a lane entry; ``InvalidJob`` saying what is wrong otherwise.
+
+    The size is checked before anything is parsed (a raw XADD bypasses the producer's
+    limits), then the payload goes through ``loads_untrusted`` (depth, lone surrogates,
+    NaN) before pydantic, so nothing that reaches a result can fail to serialize later.
+    """
+    size = entry_size(d.fields)
+    if size > max_entry_bytes:
+        raise InvalidJob(f"entry is {size} bytes; at most {max_entry_bytes} are accepted (worker max_entry_bytes)")
     raw = d.fields.get(JOB_FIELD.encode()) if d.fields else None
     if raw is None:
-        raise InvalidJob(f"entry has no {JOB_FIELD!r} field (fields: {sorted(k.decode('utf-8', 'replace') for k in d.fields or {})})")
+        raise InvalidJob(f"entry has no {JOB_FIELD!r} field (fields: {sorted(k.decode('utf-8', 'replace')[:64] for k in d.fields or {})[:8]})")
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidJob(f"job payload is not valid UTF-8: {exc}") from None
+        data = loads_untrusted(raw, max_bytes=max_entry_bytes)
+    except UntrustedJSONError as exc:
+        raise InvalidJob(f"invalid job payload: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidJob(f"job payload must be a JSON object, got {type(data).__name__}")
     try:
-        job = JobRequest.model_validate_json(text)
+        job = JobRequest.model_validate(data)
     except ValidationError as exc:
         raise InvalidJob("invalid job: " + format_validation_error(exc)) from None
     if job.lane.value != d.lane:
@@ -100,24 +115,31 @@ class NoAckPipe:
         return None
 
 
-def salvage(d: Delivery, job: JobRequest | None) -> tuple[str | None, OutputTarget | None, int, dict]:
-    """Job id, output target, result TTL and metadata from a job, or best effort from a broken payload."""
+def salvage(d: Delivery, job: JobRequest | None, max_entry_bytes: int) -> tuple[str | None, OutputTarget | None, int, dict]:
+    """Job id, output target, result TTL and metadata from a job, or best effort from a broken payload.
+
+    A payload that does not parse (too big, too deep, a lone surrogate, cut short) still
+    names its job when ``"job_id": "<a valid id>"`` appears exactly once near its start, so
+    the producer waiting on that job gets a failed result instead of silence.
+    """
     if job is not None:
         return job.job_id, job.output, job.result_ttl_s, job.metadata
+    raw = (d.fields or {}).get(JOB_FIELD.encode(), b"")
     try:
-        data = json.loads((d.fields or {}).get(JOB_FIELD.encode(), b"").decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        return None, None, 24 * 3600, {}
+        data = loads_untrusted(raw, max_bytes=max_entry_bytes)
+    except UntrustedJSONError:
+        ids = {m.group(1).decode() for m in _RAW_JOB_ID_RE.finditer(raw[:SALVAGE_SCAN_BYTES])}
+        return (ids.pop() if len(ids) == 1 else None), None, DEFAULT_RESULT_TTL_S, {}
     if not isinstance(data, dict):
-        return None, None, 24 * 3600, {}
+        return None, None, DEFAULT_RESULT_TTL_S, {}
     job_id = data.get("job_id")
-    if not isinstance(job_id, str) or not _JOB_ID_RE.match(job_id):
+    if not isinstance(job_id, str) or not _JOB_ID_RE.fullmatch(job_id):
         job_id = None
     try:
         output = OutputTarget.model_validate(data.get("output") or {})
     except ValueError:
         output = None
     ttl = data.get("result_ttl_s")
-    ttl = ttl if isinstance(ttl, int) and ttl > 0 else 24 * 3600
+    ttl = ttl if isinstance(ttl, int) and ttl > 0 else DEFAULT_RESULT_TTL_S
     meta = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
     return job_id, output, ttl, meta

@@ -5,6 +5,9 @@ increments), exported by prometheus-client's own HTTP thread.
 """
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
@@ -24,6 +27,25 @@ class WorkerMetrics:
         self.running = Gauge("pagestream_running_jobs", "Jobs in the engine", registry=r)
         self.held = Gauge("pagestream_held_entries", "Lane entries this worker holds unacked (its PEL share)", registry=r)
         self.kv_usage = Gauge("pagestream_kv_usage", "Fraction of KV blocks in use", registry=r)
+
+        self._tokens_seen = 0
+
+    def observe_step(self, seconds: float) -> None:
+        self.steps.inc()
+        self.step_seconds.observe(seconds)
+
+    def observe(self, st: Any, held: int, num_steps: int, num_completed: int) -> dict[str, Any]:
+        """Gauges from the engine's ``EngineStats``; returns the snapshot ``pagestream stats`` shows."""
+        self.tokens.inc(max(0, st.num_generated_tokens - self._tokens_seen))
+        self._tokens_seen = st.num_generated_tokens
+        self.running.set(st.num_running + st.num_waiting)
+        self.held.set(held)
+        self.kv_usage.set(st.kv_usage)
+        return {
+            "num_running": st.num_running, "num_waiting": st.num_waiting, "num_free_blocks": st.num_free_blocks,
+            "num_total_blocks": st.num_total_blocks, "kv_usage": round(st.kv_usage, 4), "num_steps": num_steps,
+            "num_completed": num_completed, "held": held, "updated_at": round(time.time(), 3),
+        }
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

@@ -19,11 +19,16 @@ from dataclasses import dataclass, field
 import redis
 
 from pagestream.producer import keys
-from pagestream.producer.schema import JobResult
+from pagestream.producer.schema import JobResult, JobStatus
 from pagestream.producer.wire import end_fields, token_event_fields
 from pagestream.worker.consumer import Consumer, Delivery
 
 log = logging.getLogger(__name__)
+
+#: job_id of the result of an entry that names no job (written nowhere but the DLQ)
+UNKNOWN_JOB_ID = "?"
+#: the longest TTL the worker sets on a job's keys (a raw entry can ask for any)
+MAX_KEY_TTL_S = 366 * 24 * 3600
 
 
 @dataclass(slots=True)
@@ -62,6 +67,14 @@ class Ack:
     entry_ids: list[str]
 
 
+def acks(entries: list[tuple[str, str]]) -> list[Ack]:
+    """One ``Ack`` per lane for (lane, entry_id) pairs."""
+    by_lane: dict[str, list[str]] = {}
+    for lane, eid in entries or []:
+        by_lane.setdefault(lane, []).append(eid)
+    return [Ack(lane, ids) for lane, ids in by_lane.items()]
+
+
 @dataclass(slots=True)
 class _Batch:
     deltas: list[Delta] = field(default_factory=list)
@@ -89,6 +102,8 @@ class Publisher:
         self.num_flushes = 0
         self.num_events = 0
         self.last_error: BaseException | None = None
+        self._out_ttl: dict[str, int] = {}  # job_id -> TTL for its out stream, set with its first event
+        self._broken: dict[str, str] = {}  # job_id -> why its events cannot be written (its result fails)
 
     def start(self) -> None:
         self._thread.start()
@@ -170,21 +185,41 @@ class Publisher:
                 log.warning("publisher: redis unavailable (%s), retrying in %.2fs", exc, backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
-            except Exception as exc:  # a bug must not wedge the loop forever: drop and report
+            except Exception as exc:  # a bug must not cost the whole batch: write its items one by one
                 self.last_error = exc
-                log.exception("publisher: dropping a batch of %d writes", len(batch))
+                log.exception("publisher: a batch of %d writes failed; writing them one at a time", len(batch))
+                acked = self._write_each(batch)
                 batch = []
+                if acked and self.on_acked:
+                    self.on_acked(acked)
             finally:
                 with self._cond:
                     self._busy = bool(batch)
                     self._cond.notify_all()
 
     def _write(self, items: list[object]) -> list[tuple[str, str]]:
+        """One transaction for the batch; each item is serialized on its own first, so an item
+        that cannot be written fails its own job (a failed result) and never the batch."""
         b = _coalesce(items)
         pipe = self.redis.pipeline(transaction=True)
         n_events = 0
+        for op in b.ops:
+            if isinstance(op, Start):  # before the deltas: a job's first delta may be in this batch
+                self._out_ttl[op.job_id] = _ttl(op.result_ttl_s)
         for d in b.deltas:
-            pipe.xadd(keys.out_stream(d.job_id), token_event_fields(d.sample, d.index, d.token_ids, d.text, d.finish_reason))
+            if d.job_id in self._broken:
+                continue
+            try:
+                fields = _encoded(token_event_fields(d.sample, d.index, d.token_ids, d.text, d.finish_reason))
+            except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
+                self._broken[d.job_id] = f"a token event could not be written: {exc}"
+                log.error("job %s: %s", d.job_id, self._broken[d.job_id])
+                continue
+            out = keys.out_stream(d.job_id)
+            pipe.xadd(out, fields)
+            ttl = self._out_ttl.pop(d.job_id, None)
+            if ttl is not None:  # a running job's stream expires too (its worker may die, unreclaimed)
+                pipe.expire(out, ttl)
             n_events += 1
         acked: list[tuple[str, str]] = []
         now_s = int(time.time())
@@ -193,17 +228,20 @@ class Publisher:
                 jh = keys.job_hash(op.job_id)
                 pipe.hset(jh, mapping={"status": "running", "worker": op.worker, "started_at": repr(op.started_at), "deliveries": op.deliveries})
                 # a job that never finishes (every worker dies, nobody reclaims) does not leak its keys
-                pipe.expire(jh, op.result_ttl_s)
+                pipe.expire(jh, _ttl(op.result_ttl_s))
+                pipe.expire(keys.out_stream(op.job_id), _ttl(op.result_ttl_s))  # a resumed job's stream exists already
             elif isinstance(op, Final):
-                r = op.result
+                r, result_json = self._result_json(op)
+                ttl = _ttl(op.result_ttl_s)
                 if op.write_result:
                     jh, out = keys.job_hash(r.job_id), keys.out_stream(r.job_id)
-                    pipe.hset(jh, mapping={"status": r.status.value, "result": r.model_dump_json(), "finished_at": repr(r.finished_at)})
+                    pipe.hset(jh, mapping={"status": r.status.value, "result": result_json, "finished_at": repr(r.finished_at)})
                     pipe.xadd(out, end_fields(r.status.value))
-                    pipe.expire(jh, op.result_ttl_s)
-                    pipe.expire(out, op.result_ttl_s)
+                    pipe.expire(jh, ttl)
+                    pipe.expire(out, ttl)
                 if op.dead_letter is not None:
-                    self.consumer.dead_letter(op.dead_letter, r.error or r.status.value, r.job_id, pipeline=pipe)
+                    job_id = None if r.job_id == UNKNOWN_JOB_ID else r.job_id
+                    self.consumer.dead_letter(op.dead_letter, r.error or r.status.value, job_id, pipeline=pipe)
                     acked.append((op.dead_letter.lane, op.dead_letter.entry_id))
                 elif op.entry is not None:
                     self.consumer.ack(op.entry[0], [op.entry[1]], pipeline=pipe)
@@ -215,9 +253,65 @@ class Publisher:
             elif isinstance(op, Ack) and op.entry_ids:
                 self.consumer.ack(op.lane, op.entry_ids, pipeline=pipe)
                 acked.extend((op.lane, e) for e in op.entry_ids)
-        pipe.execute()
+        # A command Redis refuses (a key of the wrong type, NOGROUP after a flush) fails alone;
+        # the rest of the transaction is applied, and its entries are settled either way.
+        errors = [res for res in pipe.execute(raise_on_error=False) if isinstance(res, Exception)]
+        for exc in errors:
+            if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+                raise exc
+        if errors:
+            log.warning("publisher: %d of the batch's writes were refused by Redis, first: %s", len(errors), errors[0])
         self.num_events += n_events
         return acked
+
+    def _write_each(self, items: list[object]) -> list[tuple[str, str]]:
+        """Last resort: only the item that breaks is lost; an entry it would have acked is acked alone."""
+        acked: list[tuple[str, str]] = []
+        for item in items:
+            try:
+                acked += self._write([item])
+            except Exception:
+                log.exception("publisher: dropping one write: %r", item)
+                entry = getattr(item, "entry", None)
+                if entry is not None:  # settle it: never a lease renewed forever for an entry nobody can finish
+                    try:
+                        self.consumer.ack(entry[0], [entry[1]])
+                        acked.append(entry)
+                    except redis.RedisError as exc:
+                        log.warning("publisher: could not ack %s: %s", entry, exc)
+        return acked
+
+    def _result_json(self, op: Final) -> tuple[JobResult, str]:
+        """The result to write; a job whose events or result cannot be written fails alone, saying why."""
+        r = op.result
+        self._out_ttl.pop(r.job_id, None)
+        reason = self._broken.pop(r.job_id, None)
+        if reason is None:
+            try:
+                text = r.model_dump_json()
+                text.encode("utf-8")
+                return r, text
+            except (TypeError, ValueError) as exc:  # PydanticSerializationError is a ValueError
+                reason = f"the result could not be written: {exc}"
+                log.error("job %s: %s", r.job_id, reason)
+        failed = JobResult(job_id=r.job_id, status=JobStatus.FAILED, error=safe_text(reason), worker=r.worker,
+                           deliveries=r.deliveries, created_at=r.created_at, started_at=r.started_at)
+        return failed, failed.model_dump_json()
+
+
+def safe_text(s: str) -> str:
+    """Text that can always be written as UTF-8 (lone surrogates become ``\\udxxx`` escapes)."""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _encoded(fields: dict[str, str]) -> dict[str, bytes]:
+    # what redis-py would do at execute time, done here so one bad value fails one item
+    return {k: v.encode("utf-8") for k, v in fields.items()}
+
+
+def _ttl(ttl_s: int) -> int:
+    # a TTL Redis refuses (10**17 overflows its ms clock) would leave the key forever
+    return max(1, min(int(ttl_s), MAX_KEY_TTL_S))
 
 
 def _coalesce(items: list[object]) -> _Batch:

@@ -45,6 +45,10 @@ class WorkerSettings(BaseSettings):
     reclaim_interval_s: float | None = None  # default: lease_ms / 4
     dead_letter_maxlen: int = 100_000
 
+    # hostile input: a raw XADD bypasses the producer's limits, so the worker has its own
+    max_entry_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # a lane entry over this fails unparsed
+    dead_letter_payload_bytes: int = Field(64 * 1024, ge=0)  # the DLQ keeps this much of each field
+
     # bulk sink (worker.bulk_sink)
     s3_endpoint_url: str | None = Field(None, validation_alias="S3_ENDPOINT_URL")
     bulk_flush_lines: int = Field(256, ge=1)
