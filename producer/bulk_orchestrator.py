@@ -30,15 +30,16 @@ from pydantic import ValidationError
 from pagestream.producer import keys
 from pagestream.producer.bulk import LEASE_S, BulkSpec, BulkStatus, load_spec, request_counts
 from pagestream.producer.bulk_finalize import PARTS_PREFIX, compact, list_parts, manifest_header, remove_parts
-from pagestream.producer.bulk_io import BadLine, BulkRequest, bad_line_entry, parse_line, request_id
+from pagestream.producer.bulk_io import BadLine, BulkRequest, bad_line_entry, max_line_bytes, parse_line, request_id
 from pagestream.producer.bulk_storage import StorageError, StorageSettings, open_input, open_storage
 from pagestream.producer.client import Producer
 from pagestream.producer.schema import JobRequest, OutputTarget
 
 log = logging.getLogger(__name__)
 
-#: input lines per checkpoint transaction
+#: input lines per checkpoint transaction, and the bytes a chunk may hold (long lines make short chunks)
 CHUNK_LINES = 256
+CHUNK_BYTES = 32 * 1024 * 1024
 POLL_S = 0.2
 META_EVERY_S = 1.0
 #: how long a cancelled bulk waits for jobs already queued before finalizing what is done
@@ -258,12 +259,15 @@ class Orchestrator:
         storage, name = open_input(self.spec.input, self.storage_settings)
         out = open_storage(self.spec.output, self.storage_settings)
         chunk: list[tuple[int, bytes]] = []
-        for raw, end in storage.open_lines(name, offset):
+        chunk_bytes = 0
+        # An overlong line arrives cut short (memory stays bounded) and becomes an error line.
+        for raw, end in storage.open_lines(name, offset, max_line_bytes=max_line_bytes()):
             line += 1
             chunk.append((line, raw))
-            if len(chunk) >= CHUNK_LINES:
+            chunk_bytes += len(raw)
+            if len(chunk) >= CHUNK_LINES or chunk_bytes >= CHUNK_BYTES:
                 self._commit(chunk, end, out)
-                chunk = []
+                chunk, chunk_bytes = [], 0
                 if not self._throttle():
                     return
         self._commit(chunk, None, out, input_done=True)
