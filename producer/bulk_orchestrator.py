@@ -13,7 +13,11 @@ It is safe to run again at any point (an RQ retry, a rescue after ``kill -9``):
 - outstanding jobs (queued, not yet in a durable part) are bounded by
   ``max_outstanding``; completion counts come from the bulk sink, which counts
   each custom_id once (SADD) after its part is durable;
-- finalize compacts the parts recorded in the status hash (``bulk_finalize``).
+- finalize compacts the parts recorded in the status hash (``bulk_finalize``);
+- a Redis outage is ridden out: every command retries with backoff
+  (``producer.redis_conn``), a checkpoint commit whose reply was lost is not
+  applied twice, and a lease that expired while Redis was away is taken back
+  unless another orchestrator took it or the bulk ended meanwhile.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from pagestream.producer.bulk_finalize import PARTS_PREFIX, compact, list_parts,
 from pagestream.producer.bulk_io import BadLine, BulkRequest, bad_line_entry, max_line_bytes, parse_line, request_id
 from pagestream.producer.bulk_storage import StorageError, StorageSettings, open_input, open_storage
 from pagestream.producer.client import Producer
+from pagestream.producer.redis_conn import outage_proof, outage_retry, same_server
 from pagestream.producer.schema import JobRequest, OutputTarget
 
 log = logging.getLogger(__name__)
@@ -47,12 +52,19 @@ CANCEL_GRACE_S = float(os.environ.get("PAGESTREAM_BULK_CANCEL_GRACE_S", "60"))
 #: keep the status hash this long after the bulk is final
 STATUS_TTL_S = 30 * 24 * 3600
 
+# KEYS: lease, status hash. ARGV: token, lease ms. An expired lease (Redis was away longer than
+# the lease) is taken back only if nobody took it and the bulk is not final.
 _REFRESH_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
-return 0
+if holder then return 0 end
+local st = redis.call('HGET', KEYS[2], 'status')
+if st == 'completed' or st == 'failed' or st == 'cancelled' or st == 'expired' then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
 """
 _RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -72,21 +84,15 @@ def _text(v: Any) -> Any:
     return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
-def _decoded(conn: redis.Redis) -> redis.Redis:
-    kwargs = dict(conn.connection_pool.connection_kwargs)
-    kwargs["decode_responses"] = True
-    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=conn.connection_pool.connection_class, **kwargs))
-
-
 def run_bulk(bulk_id: str, redis_url: str | None = None) -> dict[str, Any]:
     """RQ entry point: run (or resume) bulk ``bulk_id`` to a final status; returns its status dict."""
     from rq import get_current_job
 
     job = get_current_job()
     if redis_url is not None:
-        conn = redis.Redis.from_url(redis_url, decode_responses=True)
+        conn = outage_proof(redis_url, decode_responses=True)
     elif job is not None:
-        conn = _decoded(job.connection)
+        conn = same_server(job.connection, decode_responses=True, retry=outage_retry())
     else:
         raise ValueError("run_bulk outside RQ needs redis_url")
     return Orchestrator(conn, bulk_id, rq_job=job).run()
@@ -162,7 +168,7 @@ class Orchestrator:
     def _heartbeat(self) -> None:
         while not self._stop.wait(LEASE_S / 3):
             try:
-                if not self._refresh(keys=[self.lock_key], args=[self.token, int(LEASE_S * 1000)]):
+                if not self._refresh(keys=[self.lock_key, self.key], args=[self.token, int(LEASE_S * 1000)]):
                     self.lease_lost.set()
                     return
                 self.conn.hset(self.key, "heartbeat_at", repr(time.time()))
@@ -348,6 +354,8 @@ class Orchestrator:
                     pipe.watch(self.lock_key)
                     if _text(pipe.get(self.lock_key)) != self.token:
                         raise LeaseLost(f"bulk {self.bulk_id}: lease lost before commit")
+                    if last_line is not None and int(pipe.hget(self.key, "line") or 0) >= last_line:
+                        return  # this commit landed but its reply was lost (Redis went away): not twice
                     pipe.multi()
                     for fields in jobs:
                         # keyword form: Producer.submit(JobRequest, pipeline=...) rejects a model
@@ -366,7 +374,9 @@ class Orchestrator:
                     pipe.execute()
                     return
                 except redis.WatchError:
-                    continue  # the heartbeat's PEXPIRE touched the lease; re-check and retry
+                    # the heartbeat's PEXPIRE touched the lease, or the connection dropped
+                    # while watching: re-check and retry
+                    continue
 
     # ---- drain + finalize ---------------------------------------------------------------------
     def _drain(self) -> None:

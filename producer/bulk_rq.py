@@ -17,6 +17,8 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from pagestream.producer.redis_conn import same_server
+
 #: the RQ queue bulk orchestration jobs go to
 BULK_QUEUE = "pagestream-bulk"
 #: the importable function an RQ worker runs; enqueue it with the bulk id as its only argument
@@ -55,9 +57,7 @@ class BulkJob(Job):
 
 def rq_connection(conn: redis.Redis) -> redis.Redis:
     """A client for RQ on the same server as ``conn``: RQ wants bytes back, our helpers decode."""
-    kwargs = dict(conn.connection_pool.connection_kwargs)
-    kwargs["decode_responses"] = False
-    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=conn.connection_pool.connection_class, **kwargs))
+    return same_server(conn, decode_responses=False)
 
 
 def bulk_queue(connection: redis.Redis, name: str = BULK_QUEUE) -> Queue:
