@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pagestream.producer.limits import job_limits
+from pagestream.producer.schema import format_validation_error
 from pagestream.producer.untrusted import UntrustedJSONError, loads_untrusted
 
 COMPLETIONS_URL = "/v1/completions"
@@ -122,15 +123,6 @@ class BadLine:
     custom_id: str | None = None
 
 
-def _format_validation(exc: ValidationError, where: str) -> str:
-    parts = []
-    for err in exc.errors()[:3]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "__root__")
-        msg = err.get("msg", "invalid")
-        parts.append(f"{where}{'.' + loc if loc else ''}: {msg}")
-    return "; ".join(parts)
-
-
 def max_line_bytes() -> int:
     """The longest input line that can hold a job the limits accept (``JobLimits.max_entry_bytes``)."""
     return job_limits().max_entry_bytes
@@ -182,7 +174,7 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int | None = None) -> Bul
         try:
             parsed = RequestBody.model_validate(body)
         except ValidationError as exc:
-            return BadLine(line, _format_validation(exc, "body"), custom_id)
+            return BadLine(line, format_validation_error(exc, prefix="body", max_errors=3), custom_id)
         if url == COMPLETIONS_URL and parsed.prompt is None:
             return BadLine(line, f"{COMPLETIONS_URL} needs body.prompt", custom_id)
         if url == CHAT_URL and parsed.messages is None:
@@ -193,7 +185,7 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int | None = None) -> Bul
     try:
         parsed = RequestBody.model_validate(fields)
     except ValidationError as exc:
-        return BadLine(line, _format_validation(exc, "line"), custom_id)
+        return BadLine(line, format_validation_error(exc, prefix="line", max_errors=3), custom_id)
     url = CHAT_URL if parsed.messages is not None else COMPLETIONS_URL
     return BulkRequest(line=line, custom_id=custom_id or f"line-{line}", url=url, body=parsed)
 

@@ -38,7 +38,7 @@ from pagestream.producer.bulk_io import BadLine, BulkRequest, bad_line_entry, ma
 from pagestream.producer.bulk_storage import StorageError, StorageSettings, open_input, open_storage
 from pagestream.producer.client import Producer
 from pagestream.producer.redis_conn import outage_proof, outage_retry, same_server
-from pagestream.producer.schema import JobRequest, OutputTarget
+from pagestream.producer.schema import JobRequest, OutputTarget, format_validation_error
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,30 @@ def run_bulk(bulk_id: str, redis_url: str | None = None) -> dict[str, Any]:
     else:
         raise ValueError("run_bulk outside RQ needs redis_url")
     return Orchestrator(conn, bulk_id, rq_job=job).run()
+
+
+def bulk_job(req: BulkRequest, spec: BulkSpec) -> dict[str, Any] | BadLine:
+    """The job of one parsed input line as ``JobRequest`` keyword fields (validated, limits
+    included), or the line's error when the job schema refuses it."""
+    body = req.body
+    fields: dict[str, Any] = dict(
+        job_id=request_id(spec.bulk_id, req.line),
+        model=body.model or spec.model,
+        lane=spec.lane,
+        result_ttl_s=spec.job_result_ttl_s,
+        output=OutputTarget(kind="bulk", bulk_id=spec.bulk_id, custom_id=req.custom_id, uri=spec.output),
+        metadata={"bulk_line": req.line},
+        **body.sampling(),
+    )
+    if req.is_chat:
+        fields["messages"] = [m.model_dump() for m in body.messages or []]
+    else:
+        fields["prompt"] = body.prompt
+    try:
+        JobRequest(**fields)
+    except ValidationError as exc:
+        return BadLine(req.line, format_validation_error(exc, max_errors=3), req.custom_id)
+    return fields
 
 
 class Orchestrator:
@@ -318,26 +342,8 @@ class Orchestrator:
             parsed = unique
         jobs = []
         for req in parsed:
-            body = req.body
-            fields: dict[str, Any] = dict(
-                job_id=request_id(self.bulk_id, req.line),
-                model=body.model or self.spec.model,
-                lane=self.spec.lane,
-                result_ttl_s=self.spec.job_result_ttl_s,
-                output=OutputTarget(kind="bulk", bulk_id=self.bulk_id, custom_id=req.custom_id, uri=self.spec.output),
-                metadata={"bulk_line": req.line},
-                **body.sampling(),
-            )
-            if req.is_chat:
-                fields["messages"] = [m.model_dump() for m in body.messages or []]
-            else:
-                fields["prompt"] = body.prompt
-            try:
-                JobRequest(**fields)
-                jobs.append(fields)
-            except ValidationError as exc:
-                reason = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
-                bad.append(BadLine(req.line, reason, req.custom_id))
+            item = bulk_job(req, self.spec)
+            (bad if isinstance(item, BadLine) else jobs).append(item)
         return jobs, sorted(bad, key=lambda b: b.line)
 
     def _commit(self, chunk: list[tuple[int, bytes]], end_offset: int | None, out, input_done: bool = False) -> None:

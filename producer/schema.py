@@ -363,10 +363,10 @@ class DeadLetter(BaseModel):
     at: float = Field(default_factory=time.time)
 
 
-def format_validation_error(exc: Any) -> str:
-    """A pydantic ValidationError on one line: ``field: what is wrong; ...``."""
+def format_validation_error(exc: Any, *, prefix: str = "", max_errors: int | None = None) -> str:
+    """A pydantic ValidationError on one line: ``field: what is wrong; ...`` (fields under ``prefix``)."""
     parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ())) or "job"
+    for err in exc.errors()[:max_errors]:
+        loc = ".".join([prefix] * bool(prefix) + [str(x) for x in err.get("loc", ()) if x != "__root__"]) or "job"
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     return "; ".join(parts)
