@@ -37,6 +37,7 @@ from pagestream.producer.bulk_finalize import PARTS_PREFIX, compact, list_parts,
 from pagestream.producer.bulk_io import BadLine, BulkRequest, bad_line_entry, max_line_bytes, parse_line, request_id
 from pagestream.producer.bulk_storage import StorageError, StorageSettings, open_input, open_storage
 from pagestream.producer.client import Producer
+from pagestream.producer.limits import job_limits
 from pagestream.producer.redis_conn import outage_proof, outage_retry, same_server
 from pagestream.producer.schema import JobRequest, OutputTarget, format_validation_error
 
@@ -106,7 +107,7 @@ def bulk_job(req: BulkRequest, spec: BulkSpec) -> dict[str, Any] | BadLine:
         job_id=request_id(spec.bulk_id, req.line),
         model=body.model or spec.model,
         lane=spec.lane,
-        result_ttl_s=spec.job_result_ttl_s,
+        result_ttl_s=min(spec.job_result_ttl_s, job_limits().max_result_ttl_s),  # a lowered limit must not fail every line
         output=OutputTarget(kind="bulk", bulk_id=spec.bulk_id, custom_id=req.custom_id, uri=spec.output),
         metadata={"bulk_line": req.line},
         **body.sampling(),

@@ -95,7 +95,8 @@ class SamplingOptions(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    max_tokens: int | None = Field(16, ge=1)
+    # defaults stay within the limits whatever PAGESTREAM_MAX_* says
+    max_tokens: int | None = Field(default_factory=lambda: min(16, job_limits().max_tokens), ge=1)
     min_tokens: int = Field(0, ge=0)
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -204,7 +205,7 @@ class JobRequest(BaseModel):
     created_at: float = Field(default_factory=time.time)
     deadline: float | None = None
     ttl_s: float | None = Field(None, gt=0)
-    result_ttl_s: int = Field(24 * 3600, ge=1)
+    result_ttl_s: int = Field(default_factory=lambda: min(24 * 3600, job_limits().max_result_ttl_s), ge=1)
     output: OutputTarget = Field(default_factory=OutputTarget)
     metadata: dict[str, JsonValue] = Field(default_factory=dict)
 
@@ -213,11 +214,11 @@ class JobRequest(BaseModel):
     def _hoist_flat_sampling(cls, data: Any) -> Any:
         if isinstance(data, dict):
             flat = {k: data[k] for k in data if k in SAMPLING_FIELDS}
-            if flat:
+            nested = data.get("sampling") or {}
+            if isinstance(nested, BaseModel):
+                nested = nested.model_dump(exclude_unset=True)
+            if flat and isinstance(nested, dict):  # anything else: the field check says what is wrong
                 data = {k: v for k, v in data.items() if k not in SAMPLING_FIELDS}
-                nested = data.get("sampling") or {}
-                if isinstance(nested, BaseModel):
-                    nested = nested.model_dump(exclude_unset=True)
                 data["sampling"] = {**nested, **flat}
         return data
 
