@@ -137,32 +137,32 @@ def assert_names_fields(exc: ValidationError, given_fields: dict, model) -> None
 
 # ---- sampling parameters and JobRequest -----------------------------------------------------------
 
-@given(sampling_dicts)
-def test_sampling_params_round_trip_or_name_the_field(data):
+def validated(model, data: dict):
+    """``model`` built from ``data``, or None after checking the ValidationError names the field."""
     try:
-        opts = SamplingOptions.model_validate(data)
+        value = model.model_validate(data)
     except ValidationError as exc:
         event("invalid")
-        assert_names_fields(exc, data, SamplingOptions)
-        return
+        assert_names_fields(exc, data, model)
+        return None
     event("valid")
-    assert SamplingOptions.model_validate_json(opts.model_dump_json(exclude_none=True)) == opts
-    SamplingParams(**opts.engine_kwargs())  # the engine takes whatever the schema accepts
+    return value
+
+
+@given(sampling_dicts)
+def test_sampling_params_round_trip_or_name_the_field(data):
+    if (opts := validated(SamplingOptions, data)) is not None:
+        assert SamplingOptions.model_validate_json(opts.model_dump_json(exclude_none=True)) == opts
+        SamplingParams(**opts.engine_kwargs())  # the engine takes whatever the schema accepts
 
 
 @given(job_dicts)
 def test_job_requests_round_trip_through_a_lane_entry_or_name_the_field(data):
-    try:
-        job = JobRequest.model_validate(data)
-    except ValidationError as exc:
-        event("invalid")
-        assert_names_fields(exc, data, JobRequest)
-        return
-    event("valid")
-    entry = job_fields(job)["job"]
-    limit = job_limits().max_entry_bytes
-    assert len(entry.encode("utf-8")) <= limit
-    assert JobRequest.model_validate(loads_untrusted(entry.encode("utf-8"), max_bytes=limit)) == job
+    if (job := validated(JobRequest, data)) is not None:
+        entry = job_fields(job)["job"]
+        limit = job_limits().max_entry_bytes
+        assert len(entry.encode("utf-8")) <= limit
+        assert JobRequest.model_validate(loads_untrusted(entry.encode("utf-8"), max_bytes=limit)) == job
 
 
 # ---- bulk lines -----------------------------------------------------------------------------------
