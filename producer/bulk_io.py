@@ -6,21 +6,31 @@ Input, one JSON object per line, in either form:
 - plain: ``{"custom_id"?, "prompt" | "messages", <sampling fields>}`` (custom_id defaults to ``line-<n>``)
 
 ``parse_line`` never raises on user input: a bad line comes back as ``BadLine``
-with its 1-based line number and a reason that says what was wrong.
+with its 1-based line number and a reason that says what was wrong. Lines are
+parsed with ``loads_untrusted`` (size, nesting depth, lone surrogates, NaN), so a
+nesting bomb or a line of hundreds of MiB is one error line, not a stalled bulk.
 """
 from __future__ import annotations
 
 import json
+import reprlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pagestream.producer.limits import job_limits
+from pagestream.producer.schema import format_validation_error
+from pagestream.producer.untrusted import UntrustedJSONError, loads_untrusted
+
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 SUPPORTED_URLS = (COMPLETIONS_URL, CHAT_URL)
 MAX_CUSTOM_ID_CHARS = 512
+_quote = reprlib.Repr()  # a reason quotes user input, never all of it
+_quote.maxstring = _quote.maxother = 60
+_short = _quote.repr
 
 
 class ChatMessage(BaseModel):
@@ -113,17 +123,22 @@ class BadLine:
     custom_id: str | None = None
 
 
-def _format_validation(exc: ValidationError, where: str) -> str:
-    parts = []
-    for err in exc.errors()[:3]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "__root__")
-        msg = err.get("msg", "invalid")
-        parts.append(f"{where}{'.' + loc if loc else ''}: {msg}")
-    return "; ".join(parts)
+def max_line_bytes() -> int:
+    """The longest input line that can hold a job the limits accept (``JobLimits.max_entry_bytes``)."""
+    return job_limits().max_entry_bytes
 
 
-def parse_line(raw: bytes | str, line: int) -> BulkRequest | BadLine | None:
-    """Parse one input line; ``None`` for a blank line (skipped, not an error)."""
+def parse_line(raw: bytes | str, line: int, max_bytes: int | None = None) -> BulkRequest | BadLine | None:
+    """Parse one input line; ``None`` for a blank line (skipped, not an error).
+
+    A line over ``max_bytes`` (default ``max_line_bytes()``) is refused unparsed; a
+    reader may hand over just its first ``max_bytes + 1`` bytes (``split_lines``).
+    """
+    limit = max_line_bytes() if max_bytes is None else max_bytes
+    size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        return BadLine(line, f"line is longer than {limit} bytes, more than any job within the limits needs "
+                             "(PAGESTREAM_MAX_PROMPT_BYTES and the other PAGESTREAM_MAX_* settings)")
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
@@ -132,9 +147,9 @@ def parse_line(raw: bytes | str, line: int) -> BulkRequest | BadLine | None:
     if not raw.strip():
         return None
     try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        return BadLine(line, f"invalid JSON: {exc.msg} at column {exc.colno}")
+        obj = loads_untrusted(raw, max_bytes=limit)
+    except UntrustedJSONError as exc:
+        return BadLine(line, f"invalid JSON: {str(exc).removeprefix('not valid JSON: ')}")
     if not isinstance(obj, dict):
         return BadLine(line, f"a line must be a JSON object, got {type(obj).__name__}")
 
@@ -149,17 +164,17 @@ def parse_line(raw: bytes | str, line: int) -> BulkRequest | BadLine | None:
             return BadLine(line, "custom_id is required in the OpenAI batch form")
         method = obj.get("method", "POST")
         if method != "POST":
-            return BadLine(line, f"method must be POST, got {method!r}", custom_id)
+            return BadLine(line, f"method must be POST, got {_short(method)}", custom_id)
         url = obj.get("url")
         if url not in SUPPORTED_URLS:
-            return BadLine(line, f"url must be one of {', '.join(SUPPORTED_URLS)}, got {url!r}", custom_id)
+            return BadLine(line, f"url must be one of {', '.join(SUPPORTED_URLS)}, got {_short(url)}", custom_id)
         body = obj.get("body")
         if not isinstance(body, dict):
             return BadLine(line, "body must be a JSON object", custom_id)
         try:
             parsed = RequestBody.model_validate(body)
         except ValidationError as exc:
-            return BadLine(line, _format_validation(exc, "body"), custom_id)
+            return BadLine(line, format_validation_error(exc, prefix="body", max_errors=3), custom_id)
         if url == COMPLETIONS_URL and parsed.prompt is None:
             return BadLine(line, f"{COMPLETIONS_URL} needs body.prompt", custom_id)
         if url == CHAT_URL and parsed.messages is None:
@@ -170,7 +185,7 @@ def parse_line(raw: bytes | str, line: int) -> BulkRequest | BadLine | None:
     try:
         parsed = RequestBody.model_validate(fields)
     except ValidationError as exc:
-        return BadLine(line, _format_validation(exc, "line"), custom_id)
+        return BadLine(line, format_validation_error(exc, prefix="line", max_errors=3), custom_id)
     url = CHAT_URL if parsed.messages is not None else COMPLETIONS_URL
     return BulkRequest(line=line, custom_id=custom_id or f"line-{line}", url=url, body=parsed)
 

@@ -13,7 +13,11 @@ It is safe to run again at any point (an RQ retry, a rescue after ``kill -9``):
 - outstanding jobs (queued, not yet in a durable part) are bounded by
   ``max_outstanding``; completion counts come from the bulk sink, which counts
   each custom_id once (SADD) after its part is durable;
-- finalize compacts the parts recorded in the status hash (``bulk_finalize``).
+- finalize compacts the parts recorded in the status hash (``bulk_finalize``);
+- a Redis outage is ridden out: every command retries with backoff
+  (``producer.redis_conn``), a checkpoint commit whose reply was lost is not
+  applied twice, and a lease that expired while Redis was away is taken back
+  unless another orchestrator took it or the bulk ended meanwhile.
 """
 from __future__ import annotations
 
@@ -30,15 +34,18 @@ from pydantic import ValidationError
 from pagestream.producer import keys
 from pagestream.producer.bulk import LEASE_S, BulkSpec, BulkStatus, load_spec, request_counts
 from pagestream.producer.bulk_finalize import PARTS_PREFIX, compact, list_parts, manifest_header, remove_parts
-from pagestream.producer.bulk_io import BadLine, BulkRequest, bad_line_entry, parse_line, request_id
+from pagestream.producer.bulk_io import BadLine, BulkRequest, bad_line_entry, max_line_bytes, parse_line, request_id
 from pagestream.producer.bulk_storage import StorageError, StorageSettings, open_input, open_storage
 from pagestream.producer.client import Producer
-from pagestream.producer.schema import JobRequest, OutputTarget
+from pagestream.producer.limits import job_limits
+from pagestream.producer.redis_conn import outage_proof, outage_retry, same_server
+from pagestream.producer.schema import JobRequest, OutputTarget, format_validation_error
 
 log = logging.getLogger(__name__)
 
-#: input lines per checkpoint transaction
+#: input lines per checkpoint transaction, and the bytes a chunk may hold (long lines make short chunks)
 CHUNK_LINES = 256
+CHUNK_BYTES = 32 * 1024 * 1024
 POLL_S = 0.2
 META_EVERY_S = 1.0
 #: how long a cancelled bulk waits for jobs already queued before finalizing what is done
@@ -46,12 +53,19 @@ CANCEL_GRACE_S = float(os.environ.get("PAGESTREAM_BULK_CANCEL_GRACE_S", "60"))
 #: keep the status hash this long after the bulk is final
 STATUS_TTL_S = 30 * 24 * 3600
 
+# KEYS: lease, status hash. ARGV: token, lease ms. An expired lease (Redis was away longer than
+# the lease) is taken back only if nobody took it and the bulk is not final.
 _REFRESH_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
-return 0
+if holder then return 0 end
+local st = redis.call('HGET', KEYS[2], 'status')
+if st == 'completed' or st == 'failed' or st == 'cancelled' or st == 'expired' then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
 """
 _RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -71,24 +85,42 @@ def _text(v: Any) -> Any:
     return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
-def _decoded(conn: redis.Redis) -> redis.Redis:
-    kwargs = dict(conn.connection_pool.connection_kwargs)
-    kwargs["decode_responses"] = True
-    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=conn.connection_pool.connection_class, **kwargs))
-
-
 def run_bulk(bulk_id: str, redis_url: str | None = None) -> dict[str, Any]:
     """RQ entry point: run (or resume) bulk ``bulk_id`` to a final status; returns its status dict."""
     from rq import get_current_job
 
     job = get_current_job()
     if redis_url is not None:
-        conn = redis.Redis.from_url(redis_url, decode_responses=True)
+        conn = outage_proof(redis_url, decode_responses=True)
     elif job is not None:
-        conn = _decoded(job.connection)
+        conn = same_server(job.connection, decode_responses=True, retry=outage_retry())
     else:
         raise ValueError("run_bulk outside RQ needs redis_url")
     return Orchestrator(conn, bulk_id, rq_job=job).run()
+
+
+def bulk_job(req: BulkRequest, spec: BulkSpec) -> dict[str, Any] | BadLine:
+    """The job of one parsed input line as ``JobRequest`` keyword fields (validated, limits
+    included), or the line's error when the job schema refuses it."""
+    body = req.body
+    fields: dict[str, Any] = dict(
+        job_id=request_id(spec.bulk_id, req.line),
+        model=body.model or spec.model,
+        lane=spec.lane,
+        result_ttl_s=min(spec.job_result_ttl_s, job_limits().max_result_ttl_s),  # a lowered limit must not fail every line
+        output=OutputTarget(kind="bulk", bulk_id=spec.bulk_id, custom_id=req.custom_id, uri=spec.output),
+        metadata={"bulk_line": req.line},
+        **body.sampling(),
+    )
+    if req.is_chat:
+        fields["messages"] = [m.model_dump() for m in body.messages or []]
+    else:
+        fields["prompt"] = body.prompt
+    try:
+        JobRequest(**fields)
+    except ValidationError as exc:
+        return BadLine(req.line, format_validation_error(exc, max_errors=3), req.custom_id)
+    return fields
 
 
 class Orchestrator:
@@ -161,7 +193,7 @@ class Orchestrator:
     def _heartbeat(self) -> None:
         while not self._stop.wait(LEASE_S / 3):
             try:
-                if not self._refresh(keys=[self.lock_key], args=[self.token, int(LEASE_S * 1000)]):
+                if not self._refresh(keys=[self.lock_key, self.key], args=[self.token, int(LEASE_S * 1000)]):
                     self.lease_lost.set()
                     return
                 self.conn.hset(self.key, "heartbeat_at", repr(time.time()))
@@ -258,12 +290,15 @@ class Orchestrator:
         storage, name = open_input(self.spec.input, self.storage_settings)
         out = open_storage(self.spec.output, self.storage_settings)
         chunk: list[tuple[int, bytes]] = []
-        for raw, end in storage.open_lines(name, offset):
+        chunk_bytes = 0
+        # An overlong line arrives cut short (memory stays bounded) and becomes an error line.
+        for raw, end in storage.open_lines(name, offset, max_line_bytes=max_line_bytes()):
             line += 1
             chunk.append((line, raw))
-            if len(chunk) >= CHUNK_LINES:
+            chunk_bytes += len(raw)
+            if len(chunk) >= CHUNK_LINES or chunk_bytes >= CHUNK_BYTES:
                 self._commit(chunk, end, out)
-                chunk = []
+                chunk, chunk_bytes = [], 0
                 if not self._throttle():
                     return
         self._commit(chunk, None, out, input_done=True)
@@ -308,26 +343,8 @@ class Orchestrator:
             parsed = unique
         jobs = []
         for req in parsed:
-            body = req.body
-            fields: dict[str, Any] = dict(
-                job_id=request_id(self.bulk_id, req.line),
-                model=body.model or self.spec.model,
-                lane=self.spec.lane,
-                result_ttl_s=self.spec.job_result_ttl_s,
-                output=OutputTarget(kind="bulk", bulk_id=self.bulk_id, custom_id=req.custom_id, uri=self.spec.output),
-                metadata={"bulk_line": req.line},
-                **body.sampling(),
-            )
-            if req.is_chat:
-                fields["messages"] = [m.model_dump() for m in body.messages or []]
-            else:
-                fields["prompt"] = body.prompt
-            try:
-                JobRequest(**fields)
-                jobs.append(fields)
-            except ValidationError as exc:
-                reason = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
-                bad.append(BadLine(req.line, reason, req.custom_id))
+            item = bulk_job(req, self.spec)
+            (bad if isinstance(item, BadLine) else jobs).append(item)
         return jobs, sorted(bad, key=lambda b: b.line)
 
     def _commit(self, chunk: list[tuple[int, bytes]], end_offset: int | None, out, input_done: bool = False) -> None:
@@ -344,6 +361,8 @@ class Orchestrator:
                     pipe.watch(self.lock_key)
                     if _text(pipe.get(self.lock_key)) != self.token:
                         raise LeaseLost(f"bulk {self.bulk_id}: lease lost before commit")
+                    if last_line is not None and int(pipe.hget(self.key, "line") or 0) >= last_line:
+                        return  # this commit landed but its reply was lost (Redis went away): not twice
                     pipe.multi()
                     for fields in jobs:
                         # keyword form: Producer.submit(JobRequest, pipeline=...) rejects a model
@@ -362,7 +381,9 @@ class Orchestrator:
                     pipe.execute()
                     return
                 except redis.WatchError:
-                    continue  # the heartbeat's PEXPIRE touched the lease; re-check and retry
+                    # the heartbeat's PEXPIRE touched the lease, or the connection dropped
+                    # while watching: re-check and retry
+                    continue
 
     # ---- drain + finalize ---------------------------------------------------------------------
     def _drain(self) -> None:

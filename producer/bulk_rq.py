@@ -4,7 +4,8 @@ Anyone who can write to Redis can enqueue an RQ job, and RQ imports and calls wh
 function a job names (``subprocess.check_call`` included), and unpickles a job's
 ``meta`` unless told otherwise. So the bulk queue uses the JSON serializer everywhere
 (enqueue, fetch, worker) and ``BulkJob``, whose ``func`` resolves only the names in
-``ALLOWED_FUNCS``, on no instance, with no callbacks. A job naming anything else fails
+``ALLOWED_FUNCS``, on no instance, with one string argument (the bulk id: a planted
+``redis_url`` keyword would point the orchestrator at another server), with no callbacks. A job naming anything else fails
 in the worker with ``UnsafeJobError`` before any import happens.
 
 Plain ``rq`` works too when told the same: ``rq worker pagestream-bulk
@@ -14,8 +15,11 @@ from __future__ import annotations
 
 import redis
 from rq import Queue
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
+
+from pagestream.producer.redis_conn import same_server
 
 #: the RQ queue bulk orchestration jobs go to
 BULK_QUEUE = "pagestream-bulk"
@@ -30,13 +34,27 @@ class UnsafeJobError(RuntimeError):
 
 
 class BulkJob(Job):
-    """RQ job class for the bulk queue: resolves only ``ALLOWED_FUNCS`` and never a callback."""
+    """RQ job class for the bulk queue: resolves only ``ALLOWED_FUNCS`` and never a callback.
+
+    A job hash RQ cannot parse (a planted ``timeout: " "``, say) counts as absent: RQ skips
+    and forgets it instead of letting the error stop the worker at every start.
+    """
+
+    def restore(self, raw_data):
+        try:
+            return super().restore(raw_data)
+        except NoSuchJobError:
+            raise
+        except Exception as exc:  # whatever RQ's parsing of a stranger's hash raises
+            raise NoSuchJobError(f"job {self.id}: unreadable job hash ({type(exc).__name__}); treated as absent") from exc
 
     @property
     def func(self):
         name = self.func_name
         if self.instance is not None or name not in ALLOWED_FUNCS:
             raise UnsafeJobError(f"refusing to run {name!r}: the bulk queue runs only {sorted(ALLOWED_FUNCS)}")
+        if self.kwargs or len(self.args) != 1 or not isinstance(self.args[0], str):
+            raise UnsafeJobError(f"refusing to run {name!r} with arguments other than one bulk id")
         return super().func
 
     # Callbacks are importable names too; pagestream never sets any, so none is ever resolved.
@@ -55,9 +73,7 @@ class BulkJob(Job):
 
 def rq_connection(conn: redis.Redis) -> redis.Redis:
     """A client for RQ on the same server as ``conn``: RQ wants bytes back, our helpers decode."""
-    kwargs = dict(conn.connection_pool.connection_kwargs)
-    kwargs["decode_responses"] = False
-    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=conn.connection_pool.connection_class, **kwargs))
+    return same_server(conn, decode_responses=False)
 
 
 def bulk_queue(connection: redis.Redis, name: str = BULK_QUEUE) -> Queue:
@@ -71,8 +87,6 @@ def fetch_job_status(conn: redis.Redis, rq_job_id: str):
     Read with the JSON serializer: a job hash planted with a pickled ``meta`` fails to
     decode here instead of running code.
     """
-    from rq.exceptions import NoSuchJobError
-
     try:
         return BulkJob.fetch(rq_job_id, connection=rq_connection(conn), serializer=JSONSerializer).get_status()
     except NoSuchJobError:

@@ -20,6 +20,7 @@ from pagestream.producer.bulk_storage import (
     StorageError,
     StorageSettings,
     sha256_file,
+    split_lines,
 )
 
 # S3 needs >= 5 MiB for every part but the last; 8 MiB keeps memory flat.
@@ -246,8 +247,9 @@ class S3Storage:
         except Exception as exc:
             raise self._fail("LIST", prefix, exc) from exc
 
-    def open_lines(self, name: str, offset: int = 0) -> Iterator[tuple[bytes, int]]:
-        """Stream (line, byte offset just past it) from ``offset``; a dropped stream reopens at the last line."""
+    def open_lines(self, name: str, offset: int = 0, max_line_bytes: int | None = None) -> Iterator[tuple[bytes, int]]:
+        """Stream (line, byte offset just past it) from ``offset`` (see ``split_lines``); a dropped
+        stream reopens after the last whole line."""
         pos = offset
         failures = 0
         while True:
@@ -259,17 +261,10 @@ class S3Storage:
                     if _error_code(exc) == "InvalidRange":
                         return  # offset is at the end of the object
                     raise
-                pending = b""
-                for chunk in iter(lambda: body.read(_READ_CHUNK_BYTES), b""):
-                    pending += chunk
-                    *lines, pending = pending.split(b"\n")
-                    for line in lines:
-                        pos += len(line) + 1
-                        yield line.rstrip(b"\r"), pos
-                        failures = 0
-                if pending:
-                    pos += len(pending)
-                    yield pending.rstrip(b"\r"), pos
+                for line, end in split_lines(iter(lambda: body.read(_READ_CHUNK_BYTES), b""), pos, max_line_bytes):
+                    pos = end
+                    yield line, end
+                    failures = 0
                 return
             except Exception as exc:
                 if not _is_transient(exc) or failures >= self.settings.s3_outer_retries:

@@ -162,14 +162,11 @@ class LocalStorage:
             if p.is_file() and rel.startswith(prefix) and not p.name.startswith(".tmp-"):
                 yield rel
 
-    def open_lines(self, name: str, offset: int = 0) -> Iterator[tuple[bytes, int]]:
-        """Yield (line without newline, byte offset just past it), starting at ``offset``."""
+    def open_lines(self, name: str, offset: int = 0, max_line_bytes: int | None = None) -> Iterator[tuple[bytes, int]]:
+        """Yield (line without newline, byte offset just past it), starting at ``offset`` (see ``split_lines``)."""
         with open(self.root / name, "rb") as f:
             f.seek(offset)
-            pos = offset
-            for line in f:
-                pos += len(line)
-                yield line.rstrip(b"\r\n"), pos
+            yield from split_lines(iter(lambda: f.read(_READ_CHUNK_BYTES), b""), offset, max_line_bytes)
 
     def delete_many(self, names: Iterable[str]) -> None:
         dirs = set()
@@ -186,6 +183,39 @@ class LocalStorage:
                     d.rmdir()  # only if empty; S3 has no directories to leave behind
                 except OSError:
                     pass
+
+
+def split_lines(chunks: Iterable[bytes], offset: int = 0, max_line_bytes: int | None = None) -> Iterator[tuple[bytes, int]]:
+    """(line without its newline, byte offset just past it) from a byte stream that starts at ``offset``.
+
+    With ``max_line_bytes`` a longer line comes out cut to its first ``max_line_bytes + 1``
+    bytes, so its reader can tell it is too long while memory stays bounded by the limit
+    whatever the input holds; its offset still counts the whole line.
+    """
+    keep = None if max_line_bytes is None else max_line_bytes + 1
+    pos = offset
+    parts: list[bytes] = []
+    held = size = 0  # bytes of the current line kept / seen
+
+    def add(piece: bytes) -> None:
+        nonlocal held, size
+        size += len(piece)
+        if keep is None or held < keep:
+            piece = piece if keep is None else piece[: keep - held]
+            parts.append(piece)
+            held += len(piece)
+
+    for chunk in chunks:
+        *complete, rest = chunk.split(b"\n")
+        for piece in complete:
+            add(piece)
+            pos += size + 1
+            yield b"".join(parts).rstrip(b"\r"), pos
+            parts.clear()
+            held = size = 0
+        add(rest)
+    if size:
+        yield b"".join(parts).rstrip(b"\r"), pos + size
 
 
 def _fsync_dir(path: Path) -> None:

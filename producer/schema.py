@@ -3,22 +3,32 @@
 Everything here is pydantic v2 and free of torch/engine imports, so a web
 backend validates a job with the same rules the worker applies. Bad input
 raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field and
-what is allowed.
+what is allowed. Sizes are bounded by ``producer.limits`` (settings from the
+environment), and nothing that JSON cannot carry back unchanged (NaN, infinity,
+lone surrogates, non-JSON metadata) is accepted, so a valid job survives the
+trip through a lane stream exactly.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_serializer, model_validator
+
+from pagestream.producer.limits import job_limits
+from pagestream.producer.untrusted import UntrustedJSONError, check_json_tree
 
 #: bump when a change to JobRequest/TokenEvent/JobResult is not backward compatible
 SCHEMA_VERSION = 1
 
 # Job ids become part of key names and a hash tag: no braces, no whitespace.
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$"
+#: token ids are vocabulary indices: they must fit the int32 tensors the engine builds
+MAX_TOKEN_ID = 2**31 - 1
+MAX_MODEL_NAME_CHARS = 256
 
 
 class JobStatus(str, Enum):
@@ -50,6 +60,15 @@ def _check_utf8(value: str, what: str) -> str:
     return value
 
 
+def _at_most(what: str, value: int, limit: int, field: str, unit: str = "") -> None:
+    if value > limit:
+        raise ValueError(f"{what} is {value}{unit}; at most {limit}{unit} allowed (PAGESTREAM_{field.upper()})")
+
+
+def _utf8_bytes(value: str) -> int:
+    return len(value) if value.isascii() else len(value.encode("utf-8"))
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -65,18 +84,19 @@ class ChatMessage(BaseModel):
 class SamplingOptions(BaseModel):
     """Mirror of ``engine.SamplingParams`` with the same ranges, checked at submit time."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=MAX_TOKEN_ID)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    max_tokens: int | None = Field(16, ge=1)
+    # defaults stay within the limits whatever PAGESTREAM_MAX_* says
+    max_tokens: int | None = Field(default_factory=lambda: min(16, job_limits().max_tokens), ge=1)
     min_tokens: int = Field(0, ge=0)
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -89,18 +109,36 @@ class SamplingOptions(BaseModel):
     def _stop_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
 
+    @field_validator("n")
+    @classmethod
+    def _n_limit(cls, v: int) -> int:
+        _at_most("n", v, job_limits().max_n, "max_n")
+        return v
+
+    @field_validator("max_tokens", "min_tokens")
+    @classmethod
+    def _tokens_limit(cls, v: int | None, info) -> int | None:
+        if v is not None:
+            _at_most(info.field_name, v, job_limits().max_tokens, "max_tokens")
+        return v
+
     @field_validator("stop")
     @classmethod
-    def _stop_utf8(cls, v: list[str] | None) -> list[str] | None:
+    def _stop_limits(cls, v: list[str] | None) -> list[str] | None:
+        limits = job_limits()
+        _at_most("the number of stop strings", len(v or []), limits.max_stop_strings, "max_stop_strings")
         for s in v or []:
             _check_utf8(s, "stop string")
+            _at_most(f"stop string {s[:20]!r}...", _utf8_bytes(s), limits.max_stop_string_bytes, "max_stop_string_bytes",
+                     " bytes")
         return v
 
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
-        if v and any(t < 0 for t in v):
-            raise ValueError(f"stop_token_ids must be >= 0, got {v}")
+        _at_most("the number of stop_token_ids", len(v or []), job_limits().max_stop_token_ids, "max_stop_token_ids")
+        if v and any(t < 0 or t > MAX_TOKEN_ID for t in v):
+            raise ValueError(f"stop_token_ids must be in [0, {MAX_TOKEN_ID}]")
         return v
 
     @model_validator(mode="after")
@@ -108,6 +146,15 @@ class SamplingOptions(BaseModel):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         return self
+
+    @model_serializer(mode="wrap")
+    def _keep_unbounded_max_tokens(self, handler: Any) -> dict[str, Any]:
+        # max_tokens=None (generate up to the context) differs from the default 16: it must
+        # survive the exclude_none dump that puts a job on the wire.
+        data = handler(self)
+        if self.max_tokens is None:
+            data["max_tokens"] = None
+        return data
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``engine.SamplingParams``."""
@@ -123,9 +170,9 @@ class OutputTarget(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["redis", "bulk"] = "redis"
-    bulk_id: str | None = None
-    custom_id: str | None = None
-    uri: str | None = None  # s3://bucket/prefix or a local directory
+    bulk_id: str | None = Field(None, max_length=128)
+    custom_id: str | None = Field(None, max_length=512)
+    uri: str | None = Field(None, max_length=4096)  # s3://bucket/prefix or a local directory
 
     @model_validator(mode="after")
     def _bulk_needs_id(self) -> OutputTarget:
@@ -144,7 +191,7 @@ class JobRequest(BaseModel):
     a job whose deadline passed before a worker starts it ends as ``expired``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     schema_version: int = SCHEMA_VERSION
     job_id: str = Field(default_factory=lambda: uuid.uuid4().hex, pattern=JOB_ID_PATTERN)
@@ -152,26 +199,26 @@ class JobRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     prompt_token_ids: list[int] | None = None
     sampling: SamplingOptions = Field(default_factory=SamplingOptions)
-    model: str | None = None
+    model: str | None = Field(None, max_length=MAX_MODEL_NAME_CHARS)
     lane: Lane = Lane.NORMAL
     priority: int = 0  # inside a lane: lower runs first in the engine's waiting queue
     created_at: float = Field(default_factory=time.time)
     deadline: float | None = None
     ttl_s: float | None = Field(None, gt=0)
-    result_ttl_s: int = Field(24 * 3600, ge=1)
+    result_ttl_s: int = Field(default_factory=lambda: min(24 * 3600, job_limits().max_result_ttl_s), ge=1)
     output: OutputTarget = Field(default_factory=OutputTarget)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, JsonValue] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
     def _hoist_flat_sampling(cls, data: Any) -> Any:
         if isinstance(data, dict):
             flat = {k: data[k] for k in data if k in SAMPLING_FIELDS}
-            if flat:
+            nested = data.get("sampling") or {}
+            if isinstance(nested, BaseModel):
+                nested = nested.model_dump(exclude_unset=True)
+            if flat and isinstance(nested, dict):  # anything else: the field check says what is wrong
                 data = {k: v for k, v in data.items() if k not in SAMPLING_FIELDS}
-                nested = data.get("sampling") or {}
-                if isinstance(nested, BaseModel):
-                    nested = nested.model_dump(exclude_unset=True)
                 data["sampling"] = {**nested, **flat}
         return data
 
@@ -185,13 +232,52 @@ class JobRequest(BaseModel):
     @field_validator("prompt")
     @classmethod
     def _prompt_utf8(cls, v: str | None) -> str | None:
-        return None if v is None else _check_utf8(v, "prompt")
+        if v is not None:
+            _check_utf8(v, "prompt")
+            _at_most("prompt", _utf8_bytes(v), job_limits().max_prompt_bytes, "max_prompt_bytes", " bytes")
+        return v
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_limits(cls, v: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        if v is not None:
+            limits = job_limits()
+            _at_most("the number of messages", len(v), limits.max_messages, "max_messages")
+            total = sum(_utf8_bytes(m.content) for m in v)
+            _at_most("all message contents together", total, limits.max_prompt_bytes, "max_prompt_bytes", " bytes")
+        return v
 
     @field_validator("prompt_token_ids")
     @classmethod
     def _ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and any(t < 0 for t in v):
-            raise ValueError("prompt_token_ids must be >= 0")
+        if v is not None:
+            _at_most("the number of prompt_token_ids", len(v), job_limits().max_prompt_token_ids, "max_prompt_token_ids")
+            if any(t < 0 or t > MAX_TOKEN_ID for t in v):
+                raise ValueError(f"prompt_token_ids must be in [0, {MAX_TOKEN_ID}]")
+        return v
+
+    @field_validator("result_ttl_s")
+    @classmethod
+    def _ttl_limit(cls, v: int) -> int:
+        _at_most("result_ttl_s", v, job_limits().max_result_ttl_s, "max_result_ttl_s", " s")
+        return v
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _metadata_limits(cls, v: Any) -> Any:
+        # Before pydantic walks it: a deep tree must be refused without recursing into it.
+        if isinstance(v, dict):
+            limits = job_limits()
+            try:
+                check_json_tree(v, limits.max_metadata_depth)
+            except UntrustedJSONError as exc:
+                raise ValueError(f"{exc}; metadata takes UTF-8 text nested at most {limits.max_metadata_depth} levels "
+                                 "(PAGESTREAM_MAX_METADATA_DEPTH)") from None
+            try:
+                size = len(json.dumps(v, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+            except (TypeError, ValueError):
+                return v  # not JSON: the JsonValue type says what is wrong
+            _at_most("metadata as JSON", size, limits.max_metadata_bytes, "max_metadata_bytes", " bytes")
         return v
 
     @model_validator(mode="after")
@@ -278,10 +364,10 @@ class DeadLetter(BaseModel):
     at: float = Field(default_factory=time.time)
 
 
-def format_validation_error(exc: Any) -> str:
-    """A pydantic ValidationError on one line: ``field: what is wrong; ...``."""
+def format_validation_error(exc: Any, *, prefix: str = "", max_errors: int | None = None) -> str:
+    """A pydantic ValidationError on one line: ``field: what is wrong; ...`` (fields under ``prefix``)."""
     parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ())) or "job"
+    for err in exc.errors()[:max_errors]:
+        loc = ".".join([prefix] * bool(prefix) + [str(x) for x in err.get("loc", ()) if x != "__root__"]) or "job"
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     return "; ".join(parts)

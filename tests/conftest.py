@@ -21,6 +21,19 @@ if "TRITON_INTERPRET" not in os.environ:
     if not _has_cuda:
         os.environ["TRITON_INTERPRET"] = "1"
 
+# Hypothesis: CI runs a fixed set of examples (derandomize); PAGESTREAM_HYPOTHESIS_PROFILE=nightly
+# draws 25x as many, fresh each run.
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("ci", max_examples=2_000, derandomize=True, deadline=None, database=None,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.register_profile("nightly", max_examples=50_000, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.load_profile(os.environ.get("PAGESTREAM_HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # a producer-only install without the dev extra
+    pass
+
 REDIS_HOST = os.environ.get("PAGESTREAM_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("PAGESTREAM_TEST_REDIS_PORT", "6379"))
 REDIS_DB = int(os.environ.get("PAGESTREAM_TEST_REDIS_DB", "9"))

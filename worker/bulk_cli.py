@@ -15,9 +15,13 @@ import time
 
 import redis
 import typer
+from rq import SimpleWorker
 
 from pagestream.producer.bulk import BULK_QUEUE, BulkStatus, cancel_bulk, dumps_status, get_bulk, rescue_stalled, submit_bulk
 from pagestream.producer.redaction import install_log_redaction
+from pagestream.producer.redis_conn import outage_proof
+
+log = logging.getLogger(__name__)
 
 bulk_app = typer.Typer(help="Bulk dataset generation: OpenAI-batch JSONL in, sharded JSONL out.", no_args_is_help=True)
 
@@ -124,17 +128,18 @@ def bulk_worker(
     """Run the RQ worker for bulk orchestration jobs (plain ``rq worker`` works too when given the same serializer and job class: see ``producer/bulk_rq.py``).
 
     Besides running jobs it re-enqueues bulks whose orchestrator died (lease expired).
+    Once started it rides out Redis outages (``PAGESTREAM_REDIS_OUTAGE_S``, see
+    ``producer/redis_conn.py``); Redis unreachable at start is an error.
     """
-    from rq import SimpleWorker
-
     from pagestream.producer.bulk import bulk_queue
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     install_log_redaction()
     if s3_endpoint_url:
         os.environ["S3_ENDPOINT_URL"] = s3_endpoint_url
-    conn = redis.Redis.from_url(redis_url)  # RQ wants bytes responses
-    decoded = _conn(redis_url)
+    redis.Redis.from_url(redis_url, socket_connect_timeout=5).ping()  # fail fast: main() says why in one line
+    conn = outage_proof(redis_url, decode_responses=False)  # RQ wants bytes responses
+    decoded = outage_proof(redis_url, decode_responses=True)
     rescue_stalled(decoded, queue)
     stop = threading.Event()
 
@@ -142,16 +147,39 @@ def bulk_worker(
         while not stop.wait(rescue_interval_s):
             try:
                 for bulk_id in rescue_stalled(decoded, queue):
-                    logging.getLogger(__name__).warning("re-enqueued stalled bulk %s", bulk_id)
-            except redis.RedisError:
-                logging.getLogger(__name__).warning("stalled-bulk scan failed", exc_info=True)
+                    log.warning("re-enqueued stalled bulk %s", bulk_id)
+            except redis.RedisError as exc:
+                log.warning("stalled-bulk scan failed (%s); next one in %.0fs", exc, rescue_interval_s)
 
     threading.Thread(target=rescue_loop, name="bulk-rescue", daemon=True).start()
-    # SimpleWorker: the orchestrator is I/O bound and holds no GPU, and a single process
-    # means kill -9 takes the orchestrator with it (no orphaned work horse).
     q = bulk_queue(conn, queue)
-    worker = SimpleWorker([q], connection=conn, name=name, serializer=q.serializer, job_class=q.job_class)
+    backoff_s = 1.0
     try:
-        worker.work(burst=burst, logging_level="INFO")
+        while True:
+            worker = _BulkWorker([q], connection=conn, name=name, serializer=q.serializer, job_class=q.job_class)
+            try:
+                worker.work(burst=burst, logging_level="INFO")
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("RQ worker lost Redis (%s)", exc)
+            if burst or worker.stop_requested:
+                return
+            # RQ's loop quits on an error it does not handle (Redis away longer than the retry
+            # budget): start a fresh worker after a pause instead of leaving bulks unattended.
+            log.warning("RQ worker stopped on an error; starting a new one in %.0fs", backoff_s)
+            time.sleep(backoff_s)
+            backoff_s = min(2 * backoff_s, 30.0)
     finally:
         stop.set()
+
+
+class _BulkWorker(SimpleWorker):
+    """SimpleWorker that remembers whether it stopped on request (a signal) or on an error.
+
+    SimpleWorker: the orchestrator is I/O bound and holds no GPU, and a single process
+    means kill -9 takes the orchestrator with it (no orphaned work horse)."""
+
+    stop_requested = False
+
+    def request_stop(self, signum, frame):
+        self.stop_requested = True
+        return super().request_stop(signum, frame)

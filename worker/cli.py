@@ -2,6 +2,9 @@
 
 Only ``worker`` imports the engine (inside the command), so ``submit``, ``tail``,
 ``stats`` and ``bulk`` work in a producer-only install without torch.
+
+Exit status: 0 done, 1 the job or bulk did not complete, 2 bad input, 3 Redis unreachable
+(one line on stderr, no traceback).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from pagestream.producer.redaction import install_log_redaction, redact_url
+from pagestream.producer.redaction import install_log_redaction, redact, redact_url
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="pagestream: queue-fed LLM batch inference.")
 
@@ -200,5 +203,20 @@ except ImportError:
     pass
 
 
+#: exit status when Redis cannot be reached
+EXIT_REDIS_DOWN = 3
+
+
+def main() -> None:
+    """The ``pagestream`` entry point: ``app`` with Redis being unreachable said in one line."""
+    import redis
+
+    try:
+        app()
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        typer.echo(f"error: cannot reach Redis: {redact(str(exc))}", err=True)
+        raise SystemExit(EXIT_REDIS_DOWN) from None
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pagestream.producer import keys
+from pagestream.producer.limits import job_limits
 
 
 def default_consumer_name() -> str:
@@ -46,7 +47,9 @@ class WorkerSettings(BaseSettings):
     dead_letter_maxlen: int = 100_000
 
     # hostile input: a raw XADD bypasses the producer's limits, so the worker has its own
-    max_entry_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # a lane entry over this fails unparsed
+    # a lane entry over this fails unparsed; by default the longest entry a job within the
+    # producer's limits (PAGESTREAM_MAX_*) can need, so the two sides agree
+    max_entry_bytes: int = Field(default_factory=lambda: job_limits().max_entry_bytes, ge=1024)
     dead_letter_payload_bytes: int = Field(64 * 1024, ge=0)  # the DLQ keeps this much of each field
 
     # bulk sink (worker.bulk_sink)
