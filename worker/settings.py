@@ -25,15 +25,20 @@ class WorkerSettings(BaseSettings):
 
     redis_url: str = Field("redis://localhost:6379/0", validation_alias="REDIS_URL")
     model: str | None = None  # HF dir, or "fake" for the instant fake engine (tests, benchmarks)
-    device: str = "cpu"
+    device: str = "auto"  # auto: CUDA when torch sees a GPU, else the CPU
     group: str = keys.DEFAULT_GROUP
     consumer: str = Field(default_factory=default_consumer_name)
     lanes: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(keys.LANES))  # env: high,normal
 
-    # engine limits
+    # engine limits (EngineConfig's meaning; None: the engine's default)
     max_num_seqs: int = Field(8, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     seed: int = 0
+    dtype: str = "auto"  # auto: fp32 on the CPU, the checkpoint's dtype (bf16 for fp32 ones) on CUDA
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    block_size: int = Field(16, ge=1)
+    enforce_eager: bool = False  # no CUDA graphs for decode
 
     # queue behaviour
     prefetch: int = Field(2, ge=0)  # entries read beyond what the engine can admit now
