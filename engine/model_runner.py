@@ -2,6 +2,7 @@
 SchedulerOutput, returns sampled token ids."""
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -189,51 +190,91 @@ class ModelRunner:
     # ---- CUDA graphs for decode ------------------------------------------------------
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:
-        """Capture one decode forward per batch-size bucket; a step pads up to its bucket.
+        """Capture CUDA graphs: one decode forward per batch-size bucket, and one mixed
+        (prefill + decode) forward per token-count bucket; a step pads up to its bucket.
 
-        Padded rows store nothing (slot -1) and attend to one token of block 0;
-        their outputs are never read.
+        Padded rows store nothing (slot -1). Padded decode rows attend to one token of
+        block 0; padded sequences of a mixed step have no query tokens, and its padded
+        tokens belong to none. Their outputs are never read.
         """
-        max_bs = min(self.config.max_num_seqs, 512)
+        cfg = self.config
+        max_bs = min(cfg.max_num_seqs, 512)
         sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs] if s <= max_bs})
-        max_blocks = -(-self.config.max_model_len // self.block_size)
+        budget = cfg.max_num_batched_tokens
+        mixed = sorted({t for t in (256, 512, 1024, 2048, 4096, 8192, 16384, budget) if max_bs < t <= budget})
+        max_tokens = max([max_bs, *mixed])
+        max_blocks = -(-cfg.max_model_len // self.block_size)
         dev = self.device
-        self.g_input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.g_positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self.g_slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=dev)
+        self.g_input_ids = torch.zeros(max_tokens, dtype=torch.long, device=dev)
+        self.g_positions = torch.zeros(max_tokens, dtype=torch.long, device=dev)
+        self.g_slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=dev)
         self.g_context_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.g_block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
         self.g_cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        pool = None
+        self.g_arange = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.pool = None
         for bs in reversed(sizes):
-            meta = AttentionMetadata(
-                slot_mapping=self.g_slot_mapping[:bs], block_tables=self.g_block_tables[:bs],
-                context_lens=self.g_context_lens[:bs], cu_seqlens_q=self.g_cu_seqlens[: bs + 1],
-                max_seqlen_q=1, decode_only=True,
-            )
-            args = (self.g_input_ids[:bs], self.g_positions[:bs], meta, self.cos_sin_cache)
-            self.model(*args)  # warm-up: compiles the kernels outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(*args)  # [bs, hidden]
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = (graph, hidden)
+            self.graphs[bs] = self._capture(bs, bs, decode_only=True)
         self.graph_sizes = sizes
+        self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mixed_sizes: list[int] = []
+        self.mixed_max_seqs = max_bs
+        try:
+            for t in reversed(mixed):
+                self.mixed_graphs[t] = self._capture(t, max_bs, decode_only=False)
+            self.mixed_sizes = mixed
+        except RuntimeError:  # a forward that cannot be captured: mixed steps run eagerly
+            logger.warning("mixed prefill/decode steps cannot be captured; they run eagerly", exc_info=True)
+            self.mixed_graphs = {}
         torch.cuda.synchronize(dev)
-        logger.info("captured decode CUDA graphs for batch sizes %s", sizes)
+        logger.info("captured CUDA graphs: decode batch sizes %s, mixed token counts %s", sizes, self.mixed_sizes)
 
-    def _replay_decode(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+    def _capture(self, num_tokens: int, num_seqs: int, decode_only: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Capture-time layout (the graph reads whatever the buffers hold at replay): decode
+        # rows of one token each; a mixed step's tokens spread over its sequences.
+        q_len = num_tokens // num_seqs
+        lens = [q_len] * (num_seqs - 1) + [num_tokens - q_len * (num_seqs - 1)]
+        self.g_context_lens[:num_seqs].copy_(torch.tensor(lens, dtype=torch.int32))
+        self.g_cu_seqlens[: num_seqs + 1].copy_(torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32))
+        meta = AttentionMetadata(
+            slot_mapping=self.g_slot_mapping[:num_tokens], block_tables=self.g_block_tables[:num_seqs],
+            context_lens=self.g_context_lens[:num_seqs], cu_seqlens_q=self.g_cu_seqlens[: num_seqs + 1],
+            max_seqlen_q=1 if decode_only else num_tokens, decode_only=decode_only,
+        )
+        args = (self.g_input_ids[:num_tokens], self.g_positions[:num_tokens], meta, self.cos_sin_cache)
+        self.model(*args)  # warm-up: compiles the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self.model(*args)  # [num_tokens, hidden]
+        self.pool = graph.pool() if self.pool is None else self.pool
+        return graph, hidden
+
+    def _replay(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Run the step through a captured graph when one fits; None: run it eagerly."""
         n = input_ids.shape[0]
-        bs = next(s for s in self.graph_sizes if s >= n)
-        width = meta.block_tables.shape[1]
+        n_seq, width = meta.block_tables.shape
+        if meta.decode_only and n <= self.graph_sizes[-1]:
+            bs = next(s for s in self.graph_sizes if s >= n)
+            graph, hidden = self.graphs[bs]
+            self.g_context_lens[n:bs].fill_(1)
+            self.g_slot_mapping[n:bs].fill_(-1)
+            self.g_cu_seqlens[n + 1 : bs + 1].copy_(self.g_arange[n + 1 : bs + 1])
+        elif self.mixed_sizes and n <= self.mixed_sizes[-1] and n_seq <= self.mixed_max_seqs:
+            t = next(s for s in self.mixed_sizes if s >= n)
+            graph, hidden = self.mixed_graphs[t]
+            bs = self.mixed_max_seqs
+            self.g_slot_mapping[n:t].fill_(-1)
+            self.g_positions[n:t].zero_()
+            self.g_context_lens[n_seq:bs].fill_(1)
+            self.g_cu_seqlens[n_seq + 1 : bs + 1].fill_(n)
+        else:
+            return None
         self.g_input_ids[:n].copy_(input_ids)
         self.g_positions[:n].copy_(positions)
         self.g_slot_mapping[:n].copy_(meta.slot_mapping)
-        self.g_slot_mapping[n:bs].fill_(-1)
-        self.g_context_lens[:n].copy_(meta.context_lens)
-        self.g_context_lens[n:bs].fill_(1)
-        self.g_block_tables[:n, :width].copy_(meta.block_tables)
-        graph, hidden = self.graphs[bs]
+        self.g_context_lens[:n_seq].copy_(meta.context_lens)
+        self.g_cu_seqlens[: n_seq + 1].copy_(meta.cu_seqlens_q)
+        self.g_block_tables[:n_seq, :width].copy_(meta.block_tables)
         graph.replay()
         return hidden[:n]
 
@@ -328,9 +369,8 @@ class ModelRunner:
         """
         inp = self.prepare(sched, prev)
         meta = inp.meta
-        if meta.decode_only and self.graphs and inp.input_ids.shape[0] <= self.graph_sizes[-1]:
-            hidden = self._replay_decode(inp.input_ids, inp.positions, meta)
-        else:
+        hidden = self._replay(inp.input_ids, inp.positions, meta) if self.graphs else None
+        if hidden is None:
             hidden = self.model(inp.input_ids, inp.positions, meta, self.cos_sin_cache)  # [num_tokens, hidden]
         if not inp.sample_seqs:
             return StepHandle([], {}, None, None)
