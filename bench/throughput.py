@@ -427,7 +427,7 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
     worker_log = open(f"{logdir}/worker.log", "w")
     cmd = [sys.executable, "-m", "pagestream.worker.cli", "worker", "--redis-url", url, "--model", model_dir,
            "--device", device.type, "--max-num-seqs", "256", "--max-num-batched-tokens", "16384",
-           "--max-model-len", "4096", "--prefetch", "256", "--consumer", "bench-gpu"]
+           "--max-model-len", "4096", "--consumer", "bench-gpu"]
     if device.type == "cuda":
         cmd += ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.85"]
     if args.enforce_eager:

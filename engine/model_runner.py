@@ -201,7 +201,15 @@ class ModelRunner:
         max_bs = min(cfg.max_num_seqs, 512)
         sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs] if s <= max_bs})
         budget = cfg.max_num_batched_tokens
-        mixed = sorted({t for t in (256, 512, 1024, 2048, 4096, 8192, 16384, budget) if max_bs < t <= budget})
+        # Token-count buckets for mixed steps, finer where padding would cost most (small steps
+        # are weight-bound; a padded token is compute, and up to 2x at power-of-two buckets).
+        steps = [(1024, 128), (2048, 256), (4096, 512), (8192, 1024), (budget, 2048)]
+        mixed, t = [], 0
+        for limit, stride in steps:
+            while t + stride <= min(limit, budget):
+                t += stride
+                mixed.append(t)
+        mixed = sorted({m for m in [*mixed, budget] if m > max_bs})
         max_tokens = max([max_bs, *mixed])
         max_blocks = -(-cfg.max_model_len // self.block_size)
         dev = self.device
@@ -213,15 +221,15 @@ class ModelRunner:
         self.g_cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.g_arange = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.pool = None
-        for bs in reversed(sizes):
-            self.graphs[bs] = self._capture(bs, bs, decode_only=True)
+        for bs in reversed(sizes):  # decode specialises on batch size (its split count): warm each
+            self.graphs[bs] = self._capture(bs, bs, decode_only=True, warm=True)
         self.graph_sizes = sizes
         self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.mixed_sizes: list[int] = []
         self.mixed_max_seqs = max_bs
         try:
-            for t in reversed(mixed):
-                self.mixed_graphs[t] = self._capture(t, max_bs, decode_only=False)
+            for i, t in enumerate(reversed(mixed)):
+                self.mixed_graphs[t] = self._capture(t, max_bs, decode_only=False, warm=i == 0)
             self.mixed_sizes = mixed
         except RuntimeError:  # a forward that cannot be captured: mixed steps run eagerly
             logger.warning("mixed prefill/decode steps cannot be captured; they run eagerly", exc_info=True)
@@ -229,7 +237,7 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         logger.info("captured CUDA graphs: decode batch sizes %s, mixed token counts %s", sizes, self.mixed_sizes)
 
-    def _capture(self, num_tokens: int, num_seqs: int, decode_only: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, num_tokens: int, num_seqs: int, decode_only: bool, warm: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Capture-time layout (the graph reads whatever the buffers hold at replay): decode
         # rows of one token each; a mixed step's tokens spread over its sequences.
         q_len = num_tokens // num_seqs
@@ -242,7 +250,8 @@ class ModelRunner:
             max_seqlen_q=1 if decode_only else num_tokens, decode_only=decode_only,
         )
         args = (self.g_input_ids[:num_tokens], self.g_positions[:num_tokens], meta, self.cos_sin_cache)
-        self.model(*args)  # warm-up: compiles the kernels outside the capture
+        if warm:  # compile the kernels (no size specialisations: once per kind) and set up cuBLAS outside the capture
+            self.model(*args)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             hidden = self.model(*args)  # [num_tokens, hidden]

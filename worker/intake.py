@@ -61,6 +61,7 @@ class Intake:
         self.buffer: deque[ActiveJob] = deque()
         self._next_reclaim = 0.0
         self._pull_paused_until = 0.0
+        self._next_busy_pull = 0.0
         self._pull_backoff = 0.1
 
     def capacity(self) -> int:
@@ -79,8 +80,11 @@ class Intake:
         while the worker is ``busy``, pulls pause with a backoff and the loop keeps stepping
         the jobs it has (the publisher thread retries their writes); otherwise it raises.
         """
-        if time.monotonic() < self._pull_paused_until:
+        now = time.monotonic()
+        if now < self._pull_paused_until or (busy and now < self._next_busy_pull):
             return 0
+        if busy:
+            self._next_busy_pull = now + self.settings.busy_pull_interval_ms / 1000
         try:
             before()
             n = self._pull(block)

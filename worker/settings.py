@@ -46,6 +46,9 @@ class WorkerSettings(BaseSettings):
     max_deliveries: int = Field(3, ge=1)
     drain_timeout_s: float = Field(30.0, ge=0)
     block_ms: int = Field(1000, ge=1)  # XREADGROUP BLOCK when the worker is idle
+    # while jobs run, look for new entries at most this often: a read per lane per engine step
+    # would cost more host time than the step itself on a fast GPU
+    busy_pull_interval_ms: float = Field(10.0, ge=0)
     publish_interval_ms: float = Field(20.0, ge=0)  # coalesce each job's deltas this long
     trim_interval_s: float = Field(10.0, gt=0)
     reclaim_interval_s: float | None = None  # default: lease_ms / 4
