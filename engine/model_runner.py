@@ -209,7 +209,8 @@ class ModelRunner:
             while t + stride <= min(limit, budget):
                 t += stride
                 mixed.append(t)
-        mixed = sorted({m for m in [*mixed, budget] if m > max_bs})
+        # a bucket must fit max_bs sequences of at most max_model_len - 1 tokens each
+        mixed = sorted({m for m in [*mixed, budget] if max_bs < m <= max_bs * (cfg.max_model_len - 1)})
         max_tokens = max([max_bs, *mixed])
         max_blocks = -(-cfg.max_model_len // self.block_size)
         dev = self.device
@@ -240,8 +241,8 @@ class ModelRunner:
     def _capture(self, num_tokens: int, num_seqs: int, decode_only: bool, warm: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Capture-time layout (the graph reads whatever the buffers hold at replay): decode
         # rows of one token each; a mixed step's tokens spread over its sequences.
-        q_len = num_tokens // num_seqs
-        lens = [q_len] * (num_seqs - 1) + [num_tokens - q_len * (num_seqs - 1)]
+        q_len, extra = divmod(num_tokens, num_seqs)
+        lens = [q_len + 1] * extra + [q_len] * (num_seqs - extra)
         self.g_context_lens[:num_seqs].copy_(torch.tensor(lens, dtype=torch.int32))
         self.g_cu_seqlens[: num_seqs + 1].copy_(torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32))
         meta = AttentionMetadata(
@@ -394,6 +395,8 @@ class ModelRunner:
         ``num_tokens`` query tokens (decode rows when they are equal). It stores
         nothing (slot -1) and reads whatever the blocks hold."""
         dev, bs = self.device, self.block_size
+        # no sequence longer than the model allows (positions index the rope cache / learned table)
+        num_seqs = max(num_seqs, -(-num_tokens // (self.config.max_model_len - 1)))
         q_len = -(-num_tokens // num_seqs)
         q_lens = [q_len] * (num_seqs - 1) + [num_tokens - q_len * (num_seqs - 1)]
         if q_lens[-1] < 1:
