@@ -29,6 +29,11 @@ def model_registry() -> str:
     return f"{PREFIX}:models"
 
 
+def model_info() -> str:
+    """Hash: model name -> JSON of what its workers announced (``max_model_len``)."""
+    return f"{PREFIX}:models:info"
+
+
 def dead_letter_stream() -> str:
     """Copies of jobs that were invalid or failed ``max_deliveries`` deliveries."""
     return f"{PREFIX}:dlq"
