@@ -229,9 +229,15 @@ class ProducerCore:
     def result(self, job_id: str, timeout: float | None) -> Steps:
         deadline = None if timeout is None else time.monotonic() + timeout
         out_key = keys.out_stream(job_id)
-        last = "0-0"
+        last: str | None = None
         what = f"waiting for job {job_id}"
         while True:
+            if last is None:
+                # Note the newest entry before reading the result: the worker writes the end entry and
+                # the result in one transaction, so a result missed below has its end entry after this id
+                # and the XREAD wakes at once (read the other way round, it would sleep a full block).
+                newest = yield from self._read(Call("xrevrange", (out_key,), {"count": 1}, retry=True), what)
+                last = _s(newest[0][0]) if newest else "0-0"
             raw, st = yield from self._read(Call("hmget", (keys.job_hash(job_id), ["result", "status"]), retry=True), what)
             if raw is not None:
                 return JobResult.model_validate_json(raw)
@@ -243,9 +249,6 @@ class ProducerCore:
                 if left <= 0:
                     raise TimeoutError(f"job {job_id} not finished after {timeout} s (status {_s(st)})")
                 block_ms = max(1, min(block_ms, int(left * 1000)))
-            if last == "0-0":  # no need to read the tokens themselves: start at the newest entry
-                newest = yield from self._read(Call("xrevrange", (out_key,), {"count": 1}, retry=True), what)
-                last = _s(newest[0][0]) if newest else "0-0"
             # Wake as soon as the worker writes anything to the job's stream; the end entry
             # and the result are written in one transaction (re-checked on the next turn).
             resp = yield from self._read(Call("xread", ({out_key: last},), {"count": 1000, "block": block_ms}, retry=True), what)

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
+import redis
+import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -56,6 +58,8 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     request_timeout_s: float = Field(600.0, gt=0)  # a job not finished by then is cancelled, 504
     model_refresh_s: float = Field(1.0, gt=0)  # how long the served-model list is trusted
+    # every open stream holds one connection in a blocking XREAD; past this many, requests wait for one
+    redis_max_connections: int = Field(4096, ge=8)
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -269,7 +273,10 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        gw = app.state.gateway = Gateway(settings, producer or AsyncProducer.from_url(settings.redis_url))
+        if producer is None:
+            pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=settings.redis_max_connections, timeout=30)
+            client = aioredis.Redis(connection_pool=pool)
+        gw = app.state.gateway = Gateway(settings, producer or AsyncProducer(client))
         try:
             yield
         finally:
@@ -296,6 +303,10 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
         t0 = time.monotonic()
         try:
             response = await call_next(request)
+        except redis.RedisError as exc:
+            log.warning("Redis error on %s: %s", request.url.path, exc)
+            response = JSONResponse(GatewayError(503, "the queue is unavailable; retry later", type="server_error",
+                                                 code="queue_unavailable").body(), status_code=503)
         except Exception:
             log.exception("unhandled error on %s", request.url.path)
             response = JSONResponse(GatewayError(500, "internal error", type="server_error").body(), status_code=500)
