@@ -82,14 +82,26 @@ class Producer:
                 return Failed(exc)
             raise
 
-    def _run(self, steps: Steps) -> Any:
+    def _drive(self, steps: Steps, result: list) -> Iterator[TokenEvent]:
+        """Run the core's steps: perform each Call/Sleep, yield each Emit; the return value goes to ``result``."""
         reply = None
         while True:
             try:
                 op = steps.send(reply)
             except StopIteration as stop:
-                return stop.value
-            reply = self._perform(op)
+                result.append(stop.value)
+                return
+            if isinstance(op, Emit):
+                reply = None
+                yield op.event
+            else:
+                reply = self._perform(op)
+
+    def _run(self, steps: Steps) -> Any:
+        result: list = []
+        for _ in self._drive(steps, result):
+            raise AssertionError("only stream() emits events")
+        return result[0]
 
     # -- API ----------------------------------------------------------------------------------
 
@@ -143,18 +155,7 @@ class Producer:
         next event (``TimeoutError``). A Redis restart is ridden out (backoff, then
         reading resumes after the last event delivered).
         """
-        steps = self.core.stream(job_id, from_index, timeout)
-        reply = None
-        while True:
-            try:
-                op = steps.send(reply)
-            except StopIteration:
-                return
-            if isinstance(op, Emit):
-                reply = None
-                yield op.event
-            else:
-                reply = self._perform(op)
+        yield from self._drive(self.core.stream(job_id, from_index, timeout), [])
 
 
 class AsyncProducer:
@@ -193,14 +194,25 @@ class AsyncProducer:
                 return Failed(exc)
             raise
 
-    async def _run(self, steps: Steps) -> Any:
+    async def _drive(self, steps: Steps, result: list) -> AsyncIterator[TokenEvent]:
         reply = None
         while True:
             try:
                 op = steps.send(reply)
             except StopIteration as stop:
-                return stop.value
-            reply = await self._perform(op)
+                result.append(stop.value)
+                return
+            if isinstance(op, Emit):
+                reply = None
+                yield op.event
+            else:
+                reply = await self._perform(op)
+
+    async def _run(self, steps: Steps) -> Any:
+        result: list = []
+        async for _ in self._drive(steps, result):
+            raise AssertionError("only stream() emits events")
+        return result[0]
 
     # -- API (docstrings on Producer) -------------------------------------------------------------
 
@@ -234,15 +246,5 @@ class AsyncProducer:
         return await self._run(self.core.result(job_id, timeout))
 
     async def stream(self, job_id: str, from_index: int = 0, timeout: float | None = None) -> AsyncIterator[TokenEvent]:
-        steps = self.core.stream(job_id, from_index, timeout)
-        reply = None
-        while True:
-            try:
-                op = steps.send(reply)
-            except StopIteration:
-                return
-            if isinstance(op, Emit):
-                reply = None
-                yield op.event
-            else:
-                reply = await self._perform(op)
+        async for ev in self._drive(self.core.stream(job_id, from_index, timeout), []):
+            yield ev

@@ -105,6 +105,9 @@ def serve(
         threading.Thread(target=lambda: [sys.stdout.write(f"[worker] {ln}") for ln in worker.stdout], daemon=True).start()
         settings = _settings(redis_url, host, port, api_keys, max_queue_depth)
         print(f"serving {name!r} on http://{settings.host}:{settings.port}/v1 (redis {redact_url(redis_url)})", flush=True)
+        # uvicorn re-raises the SIGTERM it caught once it has shut down; as an exception (not the
+        # default handler's instant exit) it lets the finally below stop the worker and the Redis.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
         run(settings)
     finally:
         if worker.poll() is None:
