@@ -40,7 +40,7 @@ from pagestream.producer.gateway_openai import (
     usage_chunk,
 )
 from pagestream.producer.schema import JobResult, JobStatus, format_validation_error
-from pagestream.producer.wire import UntrustedJSONError, loads_untrusted
+from pagestream.producer.untrusted import UntrustedJSONError, loads_untrusted
 
 log = logging.getLogger(__name__)
 
