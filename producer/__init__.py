@@ -1,5 +1,5 @@
 """Producer side of pagestream: job schema, Redis key names, clients. Never imports torch."""
-from pagestream.producer.client import AsyncProducer, JobNotFound, Producer
+from pagestream.producer.client import AsyncProducer, JobNotFound, ModelNotServed, Producer
 from pagestream.producer.schema import (
     ChatMessage,
     JobRequest,
@@ -15,6 +15,7 @@ from pagestream.producer.schema import (
 __all__ = [
     "AsyncProducer",
     "JobNotFound",
+    "ModelNotServed",
     "Producer",
     "ChatMessage",
     "JobRequest",

@@ -365,8 +365,9 @@ class Orchestrator:
                         return  # this commit landed but its reply was lost (Redis went away): not twice
                     pipe.multi()
                     for fields in jobs:
-                        # keyword form: Producer.submit(JobRequest, pipeline=...) rejects a model
-                        self.producer.submit(pipeline=pipe, **fields)
+                        # keyword form: Producer.submit(JobRequest, pipeline=...) rejects a model.
+                        # Bulk jobs stay on the shared lanes (model=None: not routed by model yet, issue 10 item 5).
+                        self.producer.submit(pipeline=pipe, **{**fields, "model": None})
                     mapping: dict[str, Any] = {}
                     if last_line is not None:
                         mapping["line"] = last_line

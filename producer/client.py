@@ -1,13 +1,21 @@
 """Producers: submit jobs to lane streams, follow their tokens, read results, cancel.
 
 ``Producer`` is synchronous (redis-py), ``AsyncProducer`` the same API on
-``redis.asyncio``. Submission is idempotent by job id: submitting a job id that
-already exists is a no-op that returns the id (a Lua script checks the job hash
-and XADDs atomically, so a retried request never enqueues twice).
+``redis.asyncio``; both run the one core in ``producer.client_core`` and differ
+only in how they talk to Redis. Submission is idempotent by job id: submitting a
+job id that already exists is a no-op that returns the id (a Lua script checks
+the job hash and XADDs atomically, so a retried request never enqueues twice).
+
+A job naming a ``model`` goes to that model's lanes and is refused
+(``ModelNotServed``) when no live worker announced the model, unless the caller
+passes ``queue_unserved=True``. A job without a model goes to the shared lanes.
+``stream`` and ``result`` ride out a Redis restart: they back off, reconnect and
+resume after the last event they delivered.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
@@ -15,76 +23,37 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from pagestream.producer import keys
+from pagestream.producer.client_core import (
+    SCRIPTS,
+    TRANSIENT_ERRORS,
+    Call,
+    Emit,
+    Failed,
+    JobNotFound,
+    ModelNotServed,
+    ProducerCore,
+    Sleep,
+    Steps,
+    build_request,
+)
 from pagestream.producer.schema import JobRequest, JobResult, JobStatus, TokenEvent
-from pagestream.producer.wire import EventDeduper, decode_out_entry, job_fields
 
-# KEYS: job hash, lane stream. ARGV: job json, lane, created_at, result_ttl_s
-_SUBMIT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {0, redis.call('HGET', KEYS[1], 'entry_id') or ''}
-end
-local id = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
-redis.call('HSET', KEYS[1], 'status', 'queued', 'lane', ARGV[2], 'entry_id', id,
-           'created_at', ARGV[3], 'result_ttl_s', ARGV[4])
-return {1, id}
-"""
-
-# KEYS: job hash, out stream, cancel stream. ARGV: job id, result json (if still queued), now
-_CANCEL_LUA = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if not st then return false end
-if st == 'completed' or st == 'failed' or st == 'cancelled' or st == 'expired' then return st end
-redis.call('HSET', KEYS[1], 'cancel_requested', ARGV[3])
-if st == 'queued' then
-  local ttl = tonumber(redis.call('HGET', KEYS[1], 'result_ttl_s') or '86400')
-  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'result', ARGV[2], 'finished_at', ARGV[3])
-  redis.call('XADD', KEYS[2], '*', 'type', 'end', 'status', 'cancelled')
-  redis.call('EXPIRE', KEYS[1], ttl)
-  redis.call('EXPIRE', KEYS[2], ttl)
-end
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'job_id', ARGV[1])
-return st
-"""
-
-
-class JobNotFound(KeyError):
-    """No job with this id (never submitted, or its result TTL passed)."""
-
-
-def build_request(request: JobRequest | dict | None = None, **fields: Any) -> JobRequest:
-    # Keywords left at None (submit's prompt=None, messages=None, job_id=None) were not given.
-    fields = {k: v for k, v in fields.items() if v is not None}
-    if request is None:
-        return JobRequest(**fields)
-    if isinstance(request, dict):
-        return JobRequest.model_validate({**request, **fields})
-    if fields:
-        raise TypeError("pass either a JobRequest or keyword fields, not both")
-    return request
-
-
-def _s(v: bytes | str | None) -> str | None:
-    return v.decode("utf-8") if isinstance(v, bytes) else v
-
-
-def _cancel_result(job_id: str) -> str:
-    return JobResult(job_id=job_id, status=JobStatus.CANCELLED, error="cancelled before it started").model_dump_json()
+__all__ = ["AsyncProducer", "JobNotFound", "ModelNotServed", "Producer", "build_request"]
 
 
 class Producer:
     """Synchronous producer.
 
-    >>> p = Producer.from_url("redis://localhost:6379/0")
-    >>> job_id = p.submit(prompt="Hello", max_tokens=16, seed=0)
-    >>> for ev in p.stream(job_id): print(ev.text, end="")
-    >>> p.result(job_id, timeout=30).text
+    >>> with Producer.from_url("redis://localhost:6379/0") as p:
+    ...     job_id = p.submit(prompt="Hello", max_tokens=16, seed=0)
+    ...     for ev in p.stream(job_id): print(ev.text, end="")
+    ...     p.result(job_id, timeout=30).text
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, reconnect_timeout_s: float = 60.0) -> None:
         self.redis = client
-        self._submit = client.register_script(_SUBMIT_LUA)
-        self._cancel = client.register_script(_CANCEL_LUA)
+        self.core = ProducerCore(reconnect_timeout_s)
+        self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> Producer:
@@ -99,11 +68,42 @@ class Producer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _submit_args(self, job: JobRequest) -> tuple[list[str], list[Any]]:
-        return (
-            [keys.job_hash(job.job_id), keys.jobs_stream(job.lane.value)],
-            [job_fields(job)["job"], job.lane.value, repr(job.created_at), job.result_ttl_s],
-        )
+    # -- I/O: the only part that differs from AsyncProducer ---------------------------------
+
+    def _perform(self, op: Any) -> Any:
+        if isinstance(op, Sleep):
+            time.sleep(op.seconds)
+            return None
+        fn = self._scripts[op.method] if op.script else getattr(op.on if op.on is not None else self.redis, op.method)
+        try:
+            return fn(*op.args, **op.kwargs)
+        except TRANSIENT_ERRORS as exc:
+            if op.retry:
+                return Failed(exc)
+            raise
+
+    def _drive(self, steps: Steps, result: list) -> Iterator[TokenEvent]:
+        """Run the core's steps: perform each Call/Sleep, yield each Emit; the return value goes to ``result``."""
+        reply = None
+        while True:
+            try:
+                op = steps.send(reply)
+            except StopIteration as stop:
+                result.append(stop.value)
+                return
+            if isinstance(op, Emit):
+                reply = None
+                yield op.event
+            else:
+                reply = self._perform(op)
+
+    def _run(self, steps: Steps) -> Any:
+        result: list = []
+        for _ in self._drive(steps, result):
+            raise AssertionError("only stream() emits events")
+        return result[0]
+
+    # -- API ----------------------------------------------------------------------------------
 
     def submit(
         self,
@@ -113,113 +113,58 @@ class Producer:
         messages: list[dict] | None = None,
         job_id: str | None = None,
         pipeline: redis.client.Pipeline | None = None,
+        queue_unserved: bool = False,
         **fields: Any,
     ) -> str:
-        """Validate and enqueue one job; returns its id. Raises ``ValueError`` on bad input.
+        """Validate and enqueue one job; returns its id. Raises ``ValueError`` on bad input
+        (``ModelNotServed`` for a model no worker serves, unless ``queue_unserved``).
 
         Keyword fields are JobRequest fields or sampling fields (``max_tokens=8``).
         With ``pipeline`` the XADD is queued there and runs when the caller executes it.
         """
         job = build_request(request, prompt=prompt, messages=messages, job_id=job_id, **fields)
-        k, a = self._submit_args(job)
-        self._submit(keys=k, args=a, client=pipeline or self.redis)
-        return job.job_id
+        return self._run(self.core.submit(job, queue_unserved, pipeline))
 
-    def submit_many(self, requests: Iterable[JobRequest | dict]) -> list[str]:
+    def submit_many(self, requests: Iterable[JobRequest | dict], queue_unserved: bool = False) -> list[str]:
         """Validate all, then enqueue in one pipelined round trip. Existing ids are left as they are."""
-        jobs = [build_request(r) for r in requests]
-        pipe = self.redis.pipeline(transaction=False)
-        for job in jobs:
-            k, a = self._submit_args(job)
-            self._submit(keys=k, args=a, client=pipe)
-        pipe.execute()
-        return [j.job_id for j in jobs]
+        return self._run(self.core.submit_many([build_request(r) for r in requests], queue_unserved))
 
     def status(self, job_id: str) -> JobStatus | None:
-        st = self.redis.hget(keys.job_hash(job_id), "status")
-        return JobStatus(_s(st)) if st is not None else None
+        return self._run(self.core.status(job_id))
 
     def cancel(self, job_id: str) -> JobStatus | None:
         """Ask for a job to stop. A queued job is cancelled at once; a running one within one engine step.
 
         Returns the status the job had when asked (None if unknown); a final status means nothing changed.
         """
-        st = self._cancel(
-            keys=[keys.job_hash(job_id), keys.out_stream(job_id), keys.cancel_stream()],
-            args=[job_id, _cancel_result(job_id), repr(time.time())],
-        )
-        return JobStatus(_s(st)) if st else None
+        return self._run(self.core.cancel(job_id))
+
+    def live_models(self) -> list[str]:
+        """Models some live worker announced (``pagestream worker --served-model-name``)."""
+        return self._run(self.core.live_models())
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Wait for the final result. Raises ``TimeoutError`` after ``timeout`` s, ``JobNotFound`` if unknown."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        out_key = keys.out_stream(job_id)
-        last = "0-0"
-        while True:
-            raw, st = self.redis.hmget(keys.job_hash(job_id), ["result", "status"])
-            if raw is not None:
-                return JobResult.model_validate_json(raw)
-            if st is None:
-                raise JobNotFound(job_id)
-            block_ms = 1000
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"job {job_id} not finished after {timeout} s (status {_s(st)})")
-                block_ms = max(1, min(block_ms, int(left * 1000)))
-            if last == "0-0":  # no need to read the tokens themselves: start at the newest entry
-                newest = self.redis.xrevrange(out_key, count=1)
-                last = _s(newest[0][0]) if newest else "0-0"
-            # Wake as soon as the worker writes anything to the job's stream; the end entry
-            # and the result are written in one transaction (re-checked on the next turn).
-            resp = self.redis.xread({out_key: last}, count=1000, block=block_ms)
-            for _, entries in resp or []:
-                if entries:
-                    last = _s(entries[-1][0])
+        return self._run(self.core.result(job_id, timeout))
 
     def stream(self, job_id: str, from_index: int = 0, timeout: float | None = None) -> Iterator[TokenEvent]:
         """Yield the job's token events in order, each token index once, until the job ends.
 
         Resumable: a subscriber that saw ``N`` tokens reconnects with ``from_index=N``
         (events entirely before N are skipped). ``timeout`` bounds the wait for the
-        next event (``TimeoutError``).
+        next event (``TimeoutError``). A Redis restart is ridden out (backoff, then
+        reading resumes after the last event delivered).
         """
-        out_key = keys.out_stream(job_id)
-        dedup = EventDeduper(from_index)
-        last = "0-0"
-        idle_since = time.monotonic()
-        while True:
-            resp = self.redis.xread({out_key: last}, count=1000, block=1000)
-            if not resp:
-                if self._ended_without_stream(job_id):
-                    return
-                if timeout is not None and time.monotonic() - idle_since > timeout:
-                    raise TimeoutError(f"no event for job {job_id} in {timeout} s")
-                continue
-            idle_since = time.monotonic()
-            for _, entries in resp:
-                for entry_id, fields in entries:
-                    last = _s(entry_id)
-                    ev = decode_out_entry(job_id, fields)
-                    if isinstance(ev, str):
-                        return
-                    if dedup.accept(ev):
-                        yield ev
-
-    def _ended_without_stream(self, job_id: str) -> bool:
-        st, exists = self.redis.hget(keys.job_hash(job_id), "status"), self.redis.exists(keys.out_stream(job_id))
-        if st is None and not exists:
-            raise JobNotFound(job_id)
-        return st is not None and JobStatus(_s(st)).is_final and not exists
+        yield from self._drive(self.core.stream(job_id, from_index, timeout), [])
 
 
 class AsyncProducer:
-    """``Producer`` on redis.asyncio: same methods, awaitable; ``stream`` is an async iterator."""
+    """``Producer`` on redis.asyncio: same methods and exceptions, awaitable; ``stream`` is an async iterator."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, reconnect_timeout_s: float = 60.0) -> None:
         self.redis = client
-        self._submit = client.register_script(_SUBMIT_LUA)
-        self._cancel = client.register_script(_CANCEL_LUA)
+        self.core = ProducerCore(reconnect_timeout_s)
+        self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> AsyncProducer:
@@ -228,6 +173,49 @@ class AsyncProducer:
     async def aclose(self) -> None:
         await self.redis.aclose()
 
+    async def __aenter__(self) -> AsyncProducer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- I/O: the only part that differs from Producer ---------------------------------------
+
+    async def _perform(self, op: Any) -> Any:
+        if isinstance(op, Sleep):
+            await asyncio.sleep(op.seconds)
+            return None
+        fn = self._scripts[op.method] if op.script else getattr(op.on if op.on is not None else self.redis, op.method)
+        try:
+            reply = fn(*op.args, **op.kwargs)
+            return await reply if inspect.isawaitable(reply) else reply
+        except TRANSIENT_ERRORS as exc:
+            if op.retry:
+                return Failed(exc)
+            raise
+
+    async def _drive(self, steps: Steps, result: list) -> AsyncIterator[TokenEvent]:
+        reply = None
+        while True:
+            try:
+                op = steps.send(reply)
+            except StopIteration as stop:
+                result.append(stop.value)
+                return
+            if isinstance(op, Emit):
+                reply = None
+                yield op.event
+            else:
+                reply = await self._perform(op)
+
+    async def _run(self, steps: Steps) -> Any:
+        result: list = []
+        async for _ in self._drive(steps, result):
+            raise AssertionError("only stream() emits events")
+        return result[0]
+
+    # -- API (docstrings on Producer) -------------------------------------------------------------
+
     async def submit(
         self,
         request: JobRequest | dict | None = None,
@@ -235,85 +223,28 @@ class AsyncProducer:
         prompt: str | None = None,
         messages: list[dict] | None = None,
         job_id: str | None = None,
+        pipeline: aioredis.client.Pipeline | None = None,
+        queue_unserved: bool = False,
         **fields: Any,
     ) -> str:
         job = build_request(request, prompt=prompt, messages=messages, job_id=job_id, **fields)
-        await self._submit(
-            keys=[keys.job_hash(job.job_id), keys.jobs_stream(job.lane.value)],
-            args=[job_fields(job)["job"], job.lane.value, repr(job.created_at), job.result_ttl_s],
-        )
-        return job.job_id
+        return await self._run(self.core.submit(job, queue_unserved, pipeline))
 
-    async def submit_many(self, requests: Iterable[JobRequest | dict]) -> list[str]:
-        jobs = [build_request(r) for r in requests]
-        pipe = self.redis.pipeline(transaction=False)
-        for job in jobs:
-            await self._submit(
-                keys=[keys.job_hash(job.job_id), keys.jobs_stream(job.lane.value)],
-                args=[job_fields(job)["job"], job.lane.value, repr(job.created_at), job.result_ttl_s],
-                client=pipe,
-            )
-        await pipe.execute()
-        return [j.job_id for j in jobs]
+    async def submit_many(self, requests: Iterable[JobRequest | dict], queue_unserved: bool = False) -> list[str]:
+        return await self._run(self.core.submit_many([build_request(r) for r in requests], queue_unserved))
 
     async def status(self, job_id: str) -> JobStatus | None:
-        st = await self.redis.hget(keys.job_hash(job_id), "status")
-        return JobStatus(_s(st)) if st is not None else None
+        return await self._run(self.core.status(job_id))
 
     async def cancel(self, job_id: str) -> JobStatus | None:
-        st = await self._cancel(
-            keys=[keys.job_hash(job_id), keys.out_stream(job_id), keys.cancel_stream()],
-            args=[job_id, _cancel_result(job_id), repr(time.time())],
-        )
-        return JobStatus(_s(st)) if st else None
+        return await self._run(self.core.cancel(job_id))
+
+    async def live_models(self) -> list[str]:
+        return await self._run(self.core.live_models())
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        out_key = keys.out_stream(job_id)
-        last = "0-0"
-        while True:
-            raw, st = await self.redis.hmget(keys.job_hash(job_id), ["result", "status"])
-            if raw is not None:
-                return JobResult.model_validate_json(raw)
-            if st is None:
-                raise JobNotFound(job_id)
-            block_ms = 1000
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"job {job_id} not finished after {timeout} s (status {_s(st)})")
-                block_ms = max(1, min(block_ms, int(left * 1000)))
-            if last == "0-0":
-                newest = await self.redis.xrevrange(out_key, count=1)
-                last = _s(newest[0][0]) if newest else "0-0"
-            resp = await self.redis.xread({out_key: last}, count=1000, block=block_ms)
-            for _, entries in resp or []:
-                if entries:
-                    last = _s(entries[-1][0])
+        return await self._run(self.core.result(job_id, timeout))
 
     async def stream(self, job_id: str, from_index: int = 0, timeout: float | None = None) -> AsyncIterator[TokenEvent]:
-        out_key = keys.out_stream(job_id)
-        dedup = EventDeduper(from_index)
-        last = "0-0"
-        idle_since = time.monotonic()
-        while True:
-            resp = await self.redis.xread({out_key: last}, count=1000, block=1000)
-            if not resp:
-                st = await self.redis.hget(keys.job_hash(job_id), "status")
-                exists = await self.redis.exists(out_key)
-                if st is None and not exists:
-                    raise JobNotFound(job_id)
-                if st is not None and JobStatus(_s(st)).is_final and not exists:
-                    return
-                if timeout is not None and time.monotonic() - idle_since > timeout:
-                    raise asyncio.TimeoutError(f"no event for job {job_id} in {timeout} s")
-                continue
-            idle_since = time.monotonic()
-            for _, entries in resp:
-                for entry_id, fields in entries:
-                    last = _s(entry_id)
-                    ev = decode_out_entry(job_id, fields)
-                    if isinstance(ev, str):
-                        return
-                    if dedup.accept(ev):
-                        yield ev
+        async for ev in self._drive(self.core.stream(job_id, from_index, timeout), []):
+            yield ev

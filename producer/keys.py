@@ -17,9 +17,21 @@ DEFAULT_GROUP = "workers"
 LANES: tuple[str, ...] = ("high", "normal", "low")
 
 
-def jobs_stream(lane: str) -> str:
-    """Stream of submitted jobs for one priority lane."""
-    return f"{PREFIX}:jobs:{lane}"
+def jobs_stream(lane: str, model: str | None = None) -> str:
+    """Stream of submitted jobs for one priority lane: the shared one, or one model's (routing by model)."""
+    if model is None:
+        return f"{PREFIX}:jobs:{lane}"
+    return f"{PREFIX}:jobs:m:{model}:{lane}"
+
+
+def model_registry() -> str:
+    """Sorted set: model name -> unix ms until which some worker announced it serves that model."""
+    return f"{PREFIX}:models"
+
+
+def model_info() -> str:
+    """Hash: model name -> JSON of what its workers announced (``max_model_len``)."""
+    return f"{PREFIX}:models:info"
 
 
 def dead_letter_stream() -> str:

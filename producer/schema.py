@@ -340,6 +340,7 @@ class JobResult(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     worker: str | None = None
+    model: str | None = None  # the model the worker served (routing by model), not the name asked for
     deliveries: int = 0
     resumed_from: int = 0  # output tokens taken over from an earlier delivery
     created_at: float | None = None

@@ -55,6 +55,7 @@ def build_engine(settings) -> object:
 def worker(
     redis_url: Optional[str] = RedisUrl,
     model: Optional[str] = typer.Option(None, "--model", envvar="PAGESTREAM_MODEL", help="HF model directory (or 'fake')"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="announce this model and take only its jobs"),
     device: Optional[str] = typer.Option(None, "--device", help="auto (default: CUDA when present) | cpu | cuda[:N]"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto (default) | float32 | float16 | bfloat16"),
     gpu_memory_utilization: Optional[float] = typer.Option(
@@ -85,7 +86,7 @@ def worker(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
     overrides = {
-        "redis_url": redis_url, "model": model, "device": device, "max_num_seqs": max_num_seqs,
+        "redis_url": redis_url, "model": model, "served_model_name": served_model_name, "device": device, "max_num_seqs": max_num_seqs,
         "max_model_len": max_model_len, "consumer": consumer, "lanes": lanes, "lease_ms": lease_ms,
         "max_deliveries": max_deliveries, "drain_timeout_s": drain_timeout, "prefetch": prefetch,
         "publish_interval_ms": publish_interval_ms, "dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization,
@@ -98,8 +99,13 @@ def worker(
     if metrics_port:
         w.metrics.serve(metrics_port)
     logging.getLogger("pagestream").info("worker %s ready on %s (lanes %s)", settings.consumer, redact_url(settings.redis_url), settings.lanes)
+    from pagestream.worker.routing import start_announcer
+
+    announcer = start_announcer(client, settings, engine)
     print(f"worker {settings.consumer} ready", flush=True)
     w.run(burst=burst)
+    if announcer is not None:
+        announcer.stop()
     print(f"worker {settings.consumer} stopped after {w.num_steps} steps, {w.num_completed} jobs", flush=True)
 
 
@@ -210,6 +216,11 @@ try:  # the bulk commands live with the bulk sink (issue 5)
     app.command("bulk-worker")(bulk_worker)
 except ImportError:
     pass
+
+from pagestream.worker.serve_cli import gateway, serve  # noqa: E402  (the OpenAI-compatible server, issue 10)
+
+app.command("gateway")(gateway)
+app.command("serve")(serve)
 
 
 #: exit status when Redis cannot be reached

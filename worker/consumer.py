@@ -125,7 +125,7 @@ class Consumer:
         return [(i, dict(zip(f[::2], f[1::2])) if f else None) for i, f in rows]
 
     def stream(self, lane: str) -> str:
-        return keys.jobs_stream(lane)
+        return keys.jobs_stream(lane, self.settings.served_model_name)
 
     def ensure_groups(self) -> None:
         """Create the group on every lane (from id 0: jobs submitted before any worker existed count)."""

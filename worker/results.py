@@ -124,6 +124,8 @@ class Results:
         """The op that ends a job (None: a bulk job, handed to the sink and acked once durable)."""
         self.metrics.jobs.labels(status.value).inc()
         result = job_result(a, status, error, self.worker)
+        # routing by model: the result names the model that served it, not the name asked for
+        result.model = self.settings.served_model_name or self.settings.model
         entry = (a.delivery.lane, a.delivery.entry_id)
         if a.is_bulk:
             if self._to_sink(a.delivery, a.job, result):

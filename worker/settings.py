@@ -25,6 +25,9 @@ class WorkerSettings(BaseSettings):
 
     redis_url: str = Field("redis://localhost:6379/0", validation_alias="REDIS_URL")
     model: str | None = None  # HF dir, or "fake" for the instant fake engine (tests, benchmarks)
+    # Routing by model: with a name, the worker announces it and reads only that model's lanes
+    # (worker.routing); without one it reads the shared lanes (jobs that name no model).
+    served_model_name: str | None = Field(None, pattern=r"^[^\s{}]{1,256}$")
     device: str = "auto"  # auto: CUDA when torch sees a GPU, else the CPU
     group: str = keys.DEFAULT_GROUP
     consumer: str = Field(default_factory=default_consumer_name)

@@ -1,0 +1,285 @@
+"""What a producer does, written once for ``Producer`` and ``AsyncProducer``.
+
+Each operation is a generator that yields the Redis work it needs (``Call``,
+``Sleep``) and receives the reply; ``stream`` also yields ``Emit`` for each token
+event. The sync client drives these generators with redis-py, the async one with
+redis.asyncio: the two differ only in how a ``Call`` is performed and how they
+sleep, so submit, result, stream, cancel and their retries cannot drift apart.
+
+Connection errors on read-only calls (``retry=True``) come back as a ``Failed``
+reply instead of raising, so a subscriber rides out a Redis restart: it backs
+off (redis-py's ``ExponentialBackoff``), reconnects and resumes reading after
+the last entry it delivered.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from redis.backoff import ExponentialBackoff
+
+from pagestream.producer import keys
+from pagestream.producer.schema import JobRequest, JobResult, JobStatus, TokenEvent
+from pagestream.producer.wire import END_TYPE, JOB_FIELD, TYPE_FIELD, EventDeduper, decode_out_entry, job_fields
+
+_FINAL = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_final)
+
+# KEYS: job hash, lane stream. ARGV: job json, lane, created_at, result_ttl_s
+SUBMIT_LUA = f"""
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {{0, redis.call('HGET', KEYS[1], 'entry_id') or ''}}
+end
+local id = redis.call('XADD', KEYS[2], '*', '{JOB_FIELD}', ARGV[1])
+redis.call('HSET', KEYS[1], 'status', '{JobStatus.QUEUED.value}', 'lane', ARGV[2], 'entry_id', id,
+           'created_at', ARGV[3], 'result_ttl_s', ARGV[4])
+return {{1, id}}
+"""
+
+# KEYS: job hash, out stream, cancel stream. ARGV: job id, result json (if still queued), now
+CANCEL_LUA = f"""
+local final = {{}}
+for _, s in ipairs({{{_FINAL}}}) do final[s] = true end
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return false end
+if final[st] then return st end
+redis.call('HSET', KEYS[1], 'cancel_requested', ARGV[3])
+if st == '{JobStatus.QUEUED.value}' then
+  local ttl = tonumber(redis.call('HGET', KEYS[1], 'result_ttl_s') or '86400')
+  redis.call('HSET', KEYS[1], 'status', '{JobStatus.CANCELLED.value}', 'result', ARGV[2], 'finished_at', ARGV[3])
+  redis.call('XADD', KEYS[2], '*', '{TYPE_FIELD}', '{END_TYPE}', 'status', '{JobStatus.CANCELLED.value}')
+  redis.call('EXPIRE', KEYS[1], ttl)
+  redis.call('EXPIRE', KEYS[2], ttl)
+end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'job_id', ARGV[1])
+return st
+"""
+
+SCRIPTS = {"submit": SUBMIT_LUA, "cancel": CANCEL_LUA}
+
+#: errors after which a read is retried (Redis restarting, a failover, a dropped connection)
+TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+
+class JobNotFound(KeyError):
+    """No job with this id (never submitted, or its result TTL passed)."""
+
+
+class ModelNotServed(ValueError):
+    """A job names a model no live worker announced (submit with ``queue_unserved=True`` to queue it anyway)."""
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        self.model = model
+        self.served = served
+        super().__init__(
+            f"no worker serves model {model!r} (served now: {served or 'none'}); "
+            "start a worker for it, or submit with queue_unserved=True to queue the job until one does"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One Redis command (``method`` of the client) or registered script (``script``)."""
+
+    method: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    retry: bool = False  # read-only: a connection error comes back as Failed instead of raising
+    script: bool = False  # ``method`` names one of SCRIPTS, registered on the client
+    on: Any = None  # a pipeline to call ``method`` on instead of the client
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    event: TokenEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    error: Exception
+
+
+Steps = Generator[Any, Any, Any]
+
+
+def build_request(request: JobRequest | dict | None = None, **fields: Any) -> JobRequest:
+    # Keywords left at None (submit's prompt=None, messages=None, job_id=None) were not given.
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if request is None:
+        return JobRequest(**fields)
+    if isinstance(request, dict):
+        return JobRequest.model_validate({**request, **fields})
+    if fields:
+        raise TypeError("pass either a JobRequest or keyword fields, not both")
+    return request
+
+
+def _s(v: bytes | str | None) -> str | None:
+    return v.decode("utf-8") if isinstance(v, bytes) else v
+
+
+def submit_script_call(job: JobRequest) -> Call:
+    lane = job.lane.value
+    return Call(
+        "submit",
+        script=True,
+        kwargs={
+            "keys": [keys.job_hash(job.job_id), keys.jobs_stream(lane, job.model)],
+            "args": [job_fields(job)[JOB_FIELD], lane, repr(job.created_at), job.result_ttl_s],
+        },
+    )
+
+
+def cancel_script_call(job_id: str) -> Call:
+    result = JobResult(job_id=job_id, status=JobStatus.CANCELLED, error="cancelled before it started")
+    return Call(
+        "cancel",
+        script=True,
+        kwargs={
+            "keys": [keys.job_hash(job_id), keys.out_stream(job_id), keys.cancel_stream()],
+            "args": [job_id, result.model_dump_json(), repr(time.time())],
+        },
+    )
+
+
+def live_models_call(now_s: float | None = None) -> Call:
+    now_ms = int((now_s if now_s is not None else time.time()) * 1000)
+    return Call("zrangebyscore", (keys.model_registry(), now_ms, "+inf"))
+
+
+class ProducerCore:
+    """State shared by one producer's operations: the served-model cache and the reconnect policy."""
+
+    #: a model seen live is trusted this long before the registry is read again
+    MODEL_CACHE_S = 1.0
+
+    def __init__(self, reconnect_timeout_s: float = 60.0) -> None:
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self._live_until: dict[str, float] = {}
+
+    # -- submit ------------------------------------------------------------------------------
+
+    def check_models(self, jobs: list[JobRequest], queue_unserved: bool) -> Steps:
+        """Refuse jobs for models no live worker announced (one registry read, cached while live)."""
+        if queue_unserved:
+            return
+        now = time.monotonic()
+        wanted = {j.model for j in jobs if j.model is not None and self._live_until.get(j.model, 0.0) < now}
+        if not wanted:
+            return
+        served = [_s(m) for m in (yield live_models_call())]
+        for m in served:
+            self._live_until[m] = now + self.MODEL_CACHE_S
+        for m in sorted(wanted):
+            if m not in served:
+                raise ModelNotServed(m, sorted(served))
+
+    def submit(self, job: JobRequest, queue_unserved: bool, pipeline: Any = None) -> Steps:
+        yield from self.check_models([job], queue_unserved)
+        call = submit_script_call(job)
+        if pipeline is not None:
+            call.kwargs["client"] = pipeline
+        yield call
+        return job.job_id
+
+    def submit_many(self, jobs: list[JobRequest], queue_unserved: bool) -> Steps:
+        yield from self.check_models(jobs, queue_unserved)
+        pipe = yield Call("pipeline", kwargs={"transaction": False})
+        for job in jobs:
+            call = submit_script_call(job)
+            call.kwargs["client"] = pipe
+            yield call
+        yield Call("execute", on=pipe)
+        return [j.job_id for j in jobs]
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def _read(self, call: Call, what: str) -> Steps:
+        """Perform a read, backing off and retrying on connection errors up to ``reconnect_timeout_s``."""
+        backoff = ExponentialBackoff(cap=2.0, base=0.05)
+        failures = 0
+        give_up = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            reply = yield call
+            if not isinstance(reply, Failed):
+                return reply
+            if time.monotonic() > give_up:
+                raise ConnectionError(f"Redis unreachable for {self.reconnect_timeout_s} s while {what}") from reply.error
+            failures += 1
+            yield Sleep(backoff.compute(failures))
+
+    def status(self, job_id: str) -> Steps:
+        st = yield Call("hget", (keys.job_hash(job_id), "status"))
+        return JobStatus(_s(st)) if st is not None else None
+
+    def cancel(self, job_id: str) -> Steps:
+        st = yield cancel_script_call(job_id)
+        return JobStatus(_s(st)) if st else None
+
+    def live_models(self) -> Steps:
+        return sorted(_s(m) for m in (yield live_models_call()))
+
+    def result(self, job_id: str, timeout: float | None) -> Steps:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out_key = keys.out_stream(job_id)
+        last: str | None = None
+        what = f"waiting for job {job_id}"
+        while True:
+            if last is None:
+                # Note the newest entry before reading the result: the worker writes the end entry and
+                # the result in one transaction, so a result missed below has its end entry after this id
+                # and the XREAD wakes at once (read the other way round, it would sleep a full block).
+                newest = yield from self._read(Call("xrevrange", (out_key,), {"count": 1}, retry=True), what)
+                last = _s(newest[0][0]) if newest else "0-0"
+            raw, st = yield from self._read(Call("hmget", (keys.job_hash(job_id), ["result", "status"]), retry=True), what)
+            if raw is not None:
+                return JobResult.model_validate_json(raw)
+            if st is None:
+                raise JobNotFound(job_id)
+            block_ms = 1000
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"job {job_id} not finished after {timeout} s (status {_s(st)})")
+                block_ms = max(1, min(block_ms, int(left * 1000)))
+            # Wake as soon as the worker writes anything to the job's stream; the end entry
+            # and the result are written in one transaction (re-checked on the next turn).
+            resp = yield from self._read(Call("xread", ({out_key: last},), {"count": 1000, "block": block_ms}, retry=True), what)
+            for _, entries in resp or []:
+                if entries:
+                    last = _s(entries[-1][0])
+
+    def stream(self, job_id: str, from_index: int, timeout: float | None) -> Steps:
+        out_key = keys.out_stream(job_id)
+        dedup = EventDeduper(from_index)
+        last = "0-0"  # the last entry read: after a reconnect, reading resumes right after it
+        idle_since = time.monotonic()
+        what = f"streaming job {job_id}"
+        while True:
+            resp = yield from self._read(Call("xread", ({out_key: last},), {"count": 1000, "block": 1000}, retry=True), what)
+            if not resp:
+                st = yield from self._read(Call("hget", (keys.job_hash(job_id), "status"), retry=True), what)
+                exists = yield from self._read(Call("exists", (out_key,), retry=True), what)
+                if st is None and not exists:
+                    raise JobNotFound(job_id)
+                if st is not None and JobStatus(_s(st)).is_final and not exists:
+                    return
+                if timeout is not None and time.monotonic() - idle_since > timeout:
+                    raise TimeoutError(f"no event for job {job_id} in {timeout} s")
+                continue
+            idle_since = time.monotonic()
+            for _, entries in resp:
+                for entry_id, fields in entries:
+                    last = _s(entry_id)
+                    ev = decode_out_entry(job_id, fields)
+                    if isinstance(ev, str):
+                        return
+                    if dedup.accept(ev):
+                        yield Emit(ev)

@@ -1,0 +1,199 @@
+"""The OpenAI-compatible gateway, driven by the official openai client against a real Redis,
+a gateway process and worker processes running the instant fake engine (``--model fake``)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import httpx
+import openai
+import pytest
+import redis
+
+from gateway_helpers import GatewayProc
+from pagestream.producer import JobResult, Producer
+from pagestream.producer import keys
+from pagestream.worker.fake_engine import FakeEngine
+from pagestream.worker.routing import announce
+from queue_helpers import WorkerProc, wait_for
+
+MODEL = "fake-model"
+KEY = "sk-test-key"
+DB_URL = f"redis://{os.environ.get('PAGESTREAM_TEST_REDIS_HOST', '127.0.0.1')}:{os.environ.get('PAGESTREAM_TEST_REDIS_PORT', '6379')}/{os.environ.get('PAGESTREAM_TEST_REDIS_DB', '9')}"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """One worker serving MODEL (5 ms steps) and one gateway with an API key."""
+    r = redis.Redis.from_url(DB_URL)
+    r.flushdb()
+    log_dir = tmp_path_factory.mktemp("gateway")
+    worker = WorkerProc(DB_URL, "fake:5", "gw-worker-a", "--served-model-name", MODEL, "--max-num-seqs", "80",
+                        "--max-model-len", "2048", log_dir=log_dir)
+    gw = GatewayProc(DB_URL, "--api-keys", KEY, log_dir=log_dir)
+    try:
+        worker.wait_ready()
+        gw.wait_ready()
+        wait_for(lambda: MODEL in Producer(r).live_models(), 30, "the worker's announcement")
+        yield {"gw": gw, "worker": worker, "r": r, "log_dir": log_dir}
+    finally:
+        gw.stop()
+        worker.stop()
+        r.flushdb()
+        r.close()
+
+
+def client(stack, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack["gw"].base_url, api_key=KEY, max_retries=0, timeout=120, **kw)
+
+
+def result_of(r: redis.Redis, response_id: str) -> JobResult:
+    raw = r.hget(keys.job_hash(response_id.split("-", 1)[1]), "result")
+    return JobResult.model_validate_json(raw)
+
+
+def _lane_lengths(r: redis.Redis) -> dict[str, int]:
+    return {s.decode(): r.xlen(s) for s in r.scan_iter(match="ps:jobs:*", _type="stream")}
+
+
+def test_models_completions_and_chat_match_the_engine(stack):
+    c = client(stack)
+    assert [m.id for m in c.models.list()] == [MODEL]
+
+    done = c.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=7, seed=11)
+    assert done.choices[0].text == FakeEngine().expected_text("the quick brown fox", 11, 7)
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 7 and done.usage.prompt_tokens == 4
+    assert done.model == MODEL and result_of(stack["r"], done.id).model == MODEL  # the served name, in the result too
+
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    full = c.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=9, seed=5)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=9, seed=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == full.choices[0].message.content and len(streamed) > 0
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+
+
+def test_n_samples_and_stop(stack):
+    c = client(stack)
+    two = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "pick two"}], n=2, max_tokens=6, seed=3)
+    assert [ch.index for ch in two.choices] == [0, 1]
+    assert two.choices[0].message.content != two.choices[1].message.content
+    assert two.usage.completion_tokens == 12
+    stream = c.completions.create(model=MODEL, prompt="pick two", n=2, max_tokens=6, seed=3, stream=True)
+    texts = {0: "", 1: ""}
+    for ch in stream:
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+    assert texts[0] == FakeEngine().expected_text("pick two", 3, 6, sample=0)
+    assert texts[1] == FakeEngine().expected_text("pick two", 3, 6, sample=1)
+
+
+def test_bad_requests_get_openai_errors_and_never_reach_a_worker(stack):
+    r = stack["r"]
+    c = client(stack)
+    before = _lane_lengths(r)
+    jobs_before = len(list(r.scan_iter(match="ps:job:*")))
+    cases = [
+        (openai.UnprocessableEntityError, lambda: c.chat.completions.create(model=MODEL, messages=None)),  # missing field
+        (openai.UnprocessableEntityError, lambda: c.completions.create(model=MODEL, prompt="x", max_tokens="lots")),
+        (openai.BadRequestError, lambda: c.completions.create(model=MODEL, prompt="x", max_tokens=4096)),  # over the context
+        (openai.BadRequestError, lambda: c.completions.create(model=MODEL, prompt="x", temperature=-1)),
+        (openai.NotFoundError, lambda: c.completions.create(model="no-such-model", prompt="x")),
+        (openai.AuthenticationError, lambda: openai.OpenAI(base_url=stack["gw"].base_url, api_key="wrong", max_retries=0)
+         .completions.create(model=MODEL, prompt="x")),
+    ]
+    for exc_type, call in cases:
+        with pytest.raises(exc_type) as info:
+            call()
+        body = info.value.body
+        assert isinstance(body, dict) and body.get("message"), body  # OpenAI's error object
+    assert cases and info.value.status_code == 401
+    with pytest.raises(openai.NotFoundError) as nf:
+        c.completions.create(model="no-such-model", prompt="x")
+    assert nf.value.code == "model_not_found"
+
+    url = stack["gw"].base_url + "/completions"
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    raw = httpx.post(url, content=b"{not json", headers=auth, timeout=60)
+    assert raw.status_code == 400 and "JSON" in raw.json()["error"]["message"]
+    huge = json.dumps({"model": MODEL, "prompt": "x" * (10 * 1024 * 1024)})
+    big = httpx.post(url, content=huge, headers=auth, timeout=120)
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+
+    assert _lane_lengths(r) == before and len(list(r.scan_iter(match="ps:job:*"))) == jobs_before
+    ok = c.completions.create(model=MODEL, prompt="still serving", max_tokens=3, seed=1)  # the gateway keeps serving
+    assert ok.choices[0].text == FakeEngine().expected_text("still serving", 1, 3)
+
+
+def test_64_concurrent_streams_are_complete_and_correct(stack):
+    async def one(ac: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
+        prompt = f"client {i} says hello"
+        stream = await ac.completions.create(model=MODEL, prompt=prompt, max_tokens=24, seed=i, stream=True)
+        text = "".join([ch.choices[0].text async for ch in stream if ch.choices])
+        return text, FakeEngine().expected_text(prompt, i, 24)
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=stack["gw"].base_url, api_key=KEY, max_retries=0, timeout=300) as ac:
+            return await asyncio.gather(*(one(ac, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert len(results) == 64
+    for got, want in results:
+        assert got == want
+
+
+def test_a_disconnecting_client_cancels_its_job(stack):
+    r = stack["r"]
+    c = client(stack)
+    stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "talk forever"}],
+                                       max_tokens=1500, stream=True)
+    first = [next(iter(stream)) for _ in range(3)]
+    job_id = first[0].id.split("-", 1)[1]
+    stream.close()  # the client goes away mid-stream
+    wait_for(lambda: r.hget(keys.job_hash(job_id), "status") == b"cancelled", 60, "the job to be cancelled")
+    res = result_of(r, first[0].id)
+    assert res.status.value == "cancelled" and res.completion_tokens < 1500
+
+
+def test_queue_past_its_depth_answers_429(stack):
+    r = stack["r"]
+    announce(r, "idle-model", ttl_s=120)  # announced, but no worker reads its lanes
+    with Producer(redis.Redis.from_url(DB_URL)) as p:
+        for i in range(3):
+            p.submit(prompt=f"waiting {i}", model="idle-model")
+    gw = GatewayProc(DB_URL, "--max-queue-depth", "3", log_dir=stack["log_dir"])
+    try:
+        gw.wait_ready()
+        c = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=120)
+        with pytest.raises(openai.RateLimitError) as info:
+            c.completions.create(model="idle-model", prompt="one more")
+        assert info.value.code == "queue_full"
+        assert r.xlen(keys.jobs_stream("normal", "idle-model")) == 3
+        assert c.completions.create(model=MODEL, prompt="short queue", max_tokens=2).choices[0].text  # other models still served
+    finally:
+        gw.stop()
+        r.zrem(keys.model_registry(), "idle-model")
+
+
+def test_two_workers_two_models_each_job_on_its_own_model(stack):
+    r = stack["r"]
+    other = WorkerProc(DB_URL, "fake", "gw-worker-b", "--served-model-name", "other-model", log_dir=stack["log_dir"])
+    try:
+        other.wait_ready()
+        wait_for(lambda: "other-model" in Producer(r).live_models(), 30, "other-model announced")
+        with Producer(redis.Redis.from_url(DB_URL)) as p:
+            ids = {m: [p.submit(prompt=f"job {i}", model=m, max_tokens=3) for i in range(8)] for m in (MODEL, "other-model")}
+            for model, consumer in ((MODEL, "gw-worker-a"), ("other-model", "gw-worker-b")):
+                for jid in ids[model]:
+                    res = p.result(jid, timeout=120)
+                    assert res.ok and res.worker == consumer and res.model == model
+        c = client(stack)
+        assert sorted(m.id for m in c.models.list()) == sorted([MODEL, "other-model"])
+        assert c.completions.create(model="other-model", prompt="hi", max_tokens=2).model == "other-model"
+    finally:
+        other.stop()

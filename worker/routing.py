@@ -1,0 +1,60 @@
+"""Routing by model, the worker's side: announce the served model while alive.
+
+A worker started with ``served_model_name`` reads only that model's lanes
+(``keys.jobs_stream(lane, model)``, chosen in ``Consumer.stream``) and keeps its
+name in the registry (``keys.model_registry()``: a sorted set scored by the unix
+ms until which the announcement holds). Producers refuse jobs for models nobody
+announced; a worker that dies stops being counted once its announcement expires.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import redis
+
+from pagestream.producer import keys
+
+log = logging.getLogger(__name__)
+
+
+def announce(client: redis.Redis, model: str, ttl_s: float, max_model_len: int | None = None) -> None:
+    """Say ``model`` is served for the next ``ttl_s`` seconds (never shortens another worker's claim)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.zadd(keys.model_registry(), {model: int((time.time() + ttl_s) * 1000)}, gt=True)
+    pipe.hset(keys.model_info(), model, json.dumps({"max_model_len": max_model_len}))
+    pipe.execute()
+
+
+class ModelAnnouncer(threading.Thread):
+    """Re-announces every ``ttl_s / 3`` seconds until ``stop()``; rides out Redis errors."""
+
+    def __init__(self, client: redis.Redis, model: str, ttl_s: float = 10.0, max_model_len: int | None = None) -> None:
+        super().__init__(name=f"announce-{model}", daemon=True)
+        self.client, self.model, self.ttl_s, self.max_model_len = client, model, ttl_s, max_model_len
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                announce(self.client, self.model, self.ttl_s, self.max_model_len)
+            except redis.RedisError as exc:
+                log.warning("could not announce model %s: %s", self.model, exc)
+            self._stop_event.wait(self.ttl_s / 3)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+def start_announcer(client: redis.Redis, settings, engine) -> ModelAnnouncer | None:
+    """Start announcing the worker's served model (None when it serves the shared lanes)."""
+    if not settings.served_model_name:
+        return None
+    max_len = getattr(engine, "max_model_len", None)
+    if max_len is None:  # the fake engine keeps it in its config
+        max_len = getattr(getattr(engine, "config", None), "max_model_len", None)
+    announcer = ModelAnnouncer(client, settings.served_model_name, max_model_len=max_len if isinstance(max_len, int) else None)
+    announcer.start()
+    return announcer

@@ -1,0 +1,119 @@
+"""``pagestream gateway`` (the OpenAI-compatible HTTP server alone) and ``pagestream serve``
+(gateway + one worker + an embedded Redis when none is configured, in one command).
+
+Neither imports the engine: ``serve`` runs the worker as a child process
+(``pagestream worker --served-model-name M``) so the gateway's event loop and the
+engine's step never share a GIL.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pagestream.producer.redaction import install_log_redaction, redact_url
+
+RedisUrl = typer.Option(None, "--redis-url", envvar="REDIS_URL", help="Redis URL (serve: default an embedded one)")
+Host = typer.Option("127.0.0.1", "--host")
+Port = typer.Option(8000, "--port")
+ApiKeys = typer.Option(None, "--api-keys", envvar="PAGESTREAM_GATEWAY_API_KEYS", help="comma-separated Bearer keys (default: none needed)")
+MaxQueueDepth = typer.Option(None, "--max-queue-depth", help="answer 429 while a model has this many jobs waiting")
+
+
+def _settings(redis_url: str, host: str, port: int, api_keys: str | None, max_queue_depth: int | None):
+    from pagestream.producer.gateway import GatewaySettings
+
+    fields = {"redis_url": redis_url, "host": host, "port": port, "api_keys": api_keys, "max_queue_depth": max_queue_depth}
+    return GatewaySettings(**{k: v for k, v in fields.items() if v is not None})
+
+
+def gateway(
+    redis_url: Optional[str] = RedisUrl,
+    host: str = Host,
+    port: int = Port,
+    api_keys: Optional[str] = ApiKeys,
+    max_queue_depth: Optional[int] = MaxQueueDepth,
+    log_level: str = typer.Option("INFO", "--log-level"),
+) -> None:
+    """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) over the queue."""
+    from pagestream.producer.gateway import run
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
+    settings = _settings(redis_url or os.environ.get("REDIS_URL") or "redis://localhost:6379/0", host, port, api_keys, max_queue_depth)
+    print(f"gateway on http://{settings.host}:{settings.port}/v1 (redis {redact_url(settings.redis_url)})", flush=True)
+    run(settings)
+
+
+def resolve_model(model: str) -> str:
+    """A local directory as given, ``fake[:ms]``, or a hub id found in the local Hugging Face cache."""
+    if model == "fake" or model.startswith("fake:") or Path(model).expanduser().is_dir():
+        return str(Path(model).expanduser()) if Path(model).expanduser().is_dir() else model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, local_files_only=True)
+    except Exception as exc:  # not a directory, not in the cache, or no huggingface_hub
+        raise typer.BadParameter(f"{model!r} is neither a model directory nor a hub id in the local Hugging Face cache ({exc})",
+                                 param_hint="--model") from None
+
+
+def serve(
+    model: str = typer.Option(..., "--model", help="HF model directory, a hub id in the local HF cache, or 'fake'"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="the name clients use (default: --model as given)"),
+    redis_url: Optional[str] = RedisUrl,
+    host: str = Host,
+    port: int = Port,
+    api_keys: Optional[str] = ApiKeys,
+    max_queue_depth: Optional[int] = MaxQueueDepth,
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda"),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
+    log_level: str = typer.Option("WARNING", "--log-level"),
+) -> None:
+    """One-command server: gateway + a worker for MODEL (+ an embedded Redis when none is configured)."""
+    from pagestream.producer.gateway import run
+    from pagestream.worker.demo import _stop, ensure_redis
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
+    embedded = None
+    if redis_url is None:
+        redis_url, embedded = ensure_redis()
+    name = served_model_name or model
+    path = resolve_model(model)
+    cmd = [sys.executable, "-m", "pagestream.worker.cli", "worker", "--redis-url", redis_url, "--model", path,
+           "--served-model-name", name, "--log-level", log_level]
+    for flag, value in (("--device", device), ("--max-num-seqs", max_num_seqs), ("--max-model-len", max_model_len)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    worker = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in worker.stdout:  # wait for the engine to load
+            if "ready" in line:
+                break
+            sys.stdout.write(f"[worker] {line}")
+        if worker.poll() is not None:
+            raise typer.Exit(1)
+        threading.Thread(target=lambda: [sys.stdout.write(f"[worker] {ln}") for ln in worker.stdout], daemon=True).start()
+        settings = _settings(redis_url, host, port, api_keys, max_queue_depth)
+        print(f"serving {name!r} on http://{settings.host}:{settings.port}/v1 (redis {redact_url(redis_url)})", flush=True)
+        # uvicorn re-raises the SIGTERM it caught once it has shut down; as an exception (not the
+        # default handler's instant exit) it lets the finally below stop the worker and the Redis.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+        run(settings)
+    finally:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(60)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+        _stop(embedded)
