@@ -2,11 +2,13 @@
 and the paged KV cache's waste (allocated slots holding no token) while decoding.
 
     .venv/bin/python bench/engine_host_overhead.py [--num-seqs 256] [--prompt-len 512] [--steps 100]
+        [--tokenizer ~/.cache/pagestream/SmolLM2-135M-Instruct] [--output-kind delta|final]
 
 What is left is the engine's own bookkeeping per step: scheduling, block-table
 and input preparation, the sampler's argmax over a small vocabulary, stop checks
-and building the incremental outputs. On the GPU this time is not overlapped with
-the forward pass, so it bounds decode throughput (BENCHMARKS.md, "Engine (H200)").
+and building the incremental outputs. On the GPU the engine overlaps this with the
+device's step (asynchronous scheduling), so decode is GPU-bound while it stays below
+the step's kernel time (BENCHMARKS.md, "Engine throughput (H200)").
 """
 from __future__ import annotations
 
@@ -35,18 +37,21 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--tokenizer", default=None, help="an HF tokenizer directory (e.g. SmolLM2's): detokenization runs too")
+    ap.add_argument("--output-kind", default="delta", choices=("delta", "final"),
+                    help="delta: per-step outputs with text (the worker); final: whole outputs (LLM.generate)")
     args = ap.parse_args()
 
     from pagestream.engine import LLM, SamplingParams
     from pagestream.engine.testing import write_tiny_model
 
-    model_dir = write_tiny_model(tempfile.mkdtemp(prefix="pagestream-tiny-"), "llama")  # no tokenizer
+    model_dir = write_tiny_model(tempfile.mkdtemp(prefix="pagestream-tiny-"), "llama", tokenizer_dir=args.tokenizer)
     llm = LLM(model_dir, device="cpu", max_num_seqs=args.num_seqs, max_model_len=1024,
               kv_cache_bytes=2**30, max_num_batched_tokens=args.num_seqs * args.prompt_len)
     engine = llm.llm_engine
     engine.runner.model = _NoOpModel(64, 1000)
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True, output_kind=args.output_kind)
     for i in range(args.num_seqs):
         engine.add_request(f"r{i}", prompt_token_ids=[rng.randrange(3, 1000) for _ in range(args.prompt_len)], params=params)
     while engine.scheduler.waiting:
@@ -56,7 +61,8 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     ms = (time.perf_counter() - t) / args.steps * 1000
-    print(f"host time per decode step, {args.num_seqs} sequences: {ms:.2f} ms")
+    print(f"host time per decode step, {args.num_seqs} sequences ({args.output_kind} outputs, "
+          f"{'tokenizer' if args.tokenizer else 'no tokenizer'}): {ms:.2f} ms")
     # Paged-KV waste over the next steps: allocated slots that hold no token (the tail of
     # each sequence's last block), the figure PagedAttention keeps under 4%.
     waste = []

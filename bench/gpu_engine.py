@@ -63,10 +63,10 @@ def ceilings(device) -> dict:
     return {"flops": flops, "bw": bw}
 
 
-def write_model(shape: str, path: str, device) -> None:
+def write_model(shape: str, path: str, device, shapes: dict | None = None) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("llama", **SHAPES[shape])
+    cfg = AutoConfig.for_model("llama", **(shapes or SHAPES)[shape])
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from gpu_engine import SHAPES, ceilings, floor_seconds  # bench/ is the script's own directory
+from gpu_engine import SHAPES, ceilings, floor_seconds, write_model  # bench/ is the script's own directory
 
 SHAPES = {
     **SHAPES,
@@ -78,17 +78,9 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
 
 
 def model_dir_for(shape: str, device) -> str:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     path = f"/tmp/pagestream-tput-{shape}"
     if not os.path.exists(os.path.join(path, "config.json")):
-        cfg = AutoConfig.for_model("llama", **SHAPES[shape])
-        torch.manual_seed(0)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        model.save_pretrained(path)
-        del model
+        write_model(shape, path, device, SHAPES)
         _free(device)
         write_tokenizer(path, SHAPES[shape]["vocab_size"])
     return path
