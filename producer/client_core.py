@@ -27,7 +27,12 @@ from pagestream.producer.wire import END_TYPE, JOB_FIELD, TYPE_FIELD, EventDedup
 
 _FINAL = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_final)
 
-# KEYS: job hash, lane stream. ARGV: job json, lane, created_at, result_ttl_s
+#: how long a queued job's hash lives when the job has no deadline: a job that no worker ever
+#: starts (or whose worker dies unreclaimed) does not leave keys forever. A worker sets the
+#: key's TTL again when it starts the job and when it ends it.
+QUEUED_JOB_KEY_TTL_S = 7 * 24 * 3600
+
+# KEYS: job hash, lane stream. ARGV: job json, lane, created_at, result_ttl_s, key TTL while queued
 SUBMIT_LUA = f"""
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {{0, redis.call('HGET', KEYS[1], 'entry_id') or ''}}
@@ -35,6 +40,7 @@ end
 local id = redis.call('XADD', KEYS[2], '*', '{JOB_FIELD}', ARGV[1])
 redis.call('HSET', KEYS[1], 'status', '{JobStatus.QUEUED.value}', 'lane', ARGV[2], 'entry_id', id,
            'created_at', ARGV[3], 'result_ttl_s', ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
 return {{1, id}}
 """
 
@@ -125,6 +131,13 @@ def _s(v: bytes | str | None) -> str | None:
     return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
+def queued_key_ttl_s(job: JobRequest) -> int:
+    """TTL of a queued job's hash: its result TTL past the end of its queueing window (its
+    deadline, else ``QUEUED_JOB_KEY_TTL_S``)."""
+    window = job.deadline - job.created_at if job.deadline is not None else QUEUED_JOB_KEY_TTL_S
+    return int(max(window, 0)) + job.result_ttl_s + 1
+
+
 def submit_script_call(job: JobRequest) -> Call:
     lane = job.lane.value
     return Call(
@@ -132,7 +145,7 @@ def submit_script_call(job: JobRequest) -> Call:
         script=True,
         kwargs={
             "keys": [keys.job_hash(job.job_id), keys.jobs_stream(lane, job.model)],
-            "args": [job_fields(job)[JOB_FIELD], lane, repr(job.created_at), job.result_ttl_s],
+            "args": [job_fields(job)[JOB_FIELD], lane, repr(job.created_at), job.result_ttl_s, queued_key_ttl_s(job)],
         },
     )
 

@@ -147,3 +147,14 @@ def test_bulk_keys_live_in_producer_keys_with_one_hash_tag_per_bulk(redis_url):
     assert set(c.keys("*")) == {keys.bulk_hash(bid), keys.bulk_index()}
     assert c.hget(keys.bulk_hash(bid), "status") == "cancelling"
     assert c.zscore(keys.bulk_index(), bid) is not None
+
+
+def test_a_queued_job_hash_expires_if_no_worker_ever_starts_it(producer, r):
+    """Issue 8 item 7: a job nobody runs must not leave its keys forever."""
+    from pagestream.producer.client_core import QUEUED_JOB_KEY_TTL_S
+
+    job_id = producer.submit(prompt="never run", max_tokens=4, result_ttl_s=60)
+    ttl = r.ttl(keys.job_hash(job_id))
+    assert 0 < ttl <= QUEUED_JOB_KEY_TTL_S + 61
+    with_deadline = producer.submit(prompt="run within a minute or never", max_tokens=4, ttl_s=60, result_ttl_s=60)
+    assert 0 < r.ttl(keys.job_hash(with_deadline)) <= 121
