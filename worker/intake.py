@@ -81,12 +81,15 @@ class Intake:
         the jobs it has (the publisher thread retries their writes); otherwise it raises.
         """
         now = time.monotonic()
-        if now < self._pull_paused_until or (busy and now < self._next_busy_pull):
+        if now < self._pull_paused_until:
             return 0
-        if busy:
-            self._next_busy_pull = now + self.settings.busy_pull_interval_ms / 1000
         try:
             before()
+            stepping = self.engine.has_unfinished_requests()
+            if stepping and now < self._next_busy_pull:
+                return 0  # the engine is stepping: read the lanes at most every busy_pull_interval_ms
+            if stepping:
+                self._next_busy_pull = now + self.settings.busy_pull_interval_ms / 1000
             n = self._pull(block)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if not busy:
