@@ -13,13 +13,12 @@ import openai
 import pytest
 import redis
 
-from gateway_helpers import GatewayProc
+from gateway_helpers import DB_URL, GatewayProc
 from pagestream.producer import Producer
 from pagestream.worker.fake_engine import FakeEngine
 from queue_helpers import ROOT, WorkerProc, wait_for
 
 MODEL = "fake-batch-model"
-DB_URL = f"redis://{os.environ.get('PAGESTREAM_TEST_REDIS_HOST', '127.0.0.1')}:{os.environ.get('PAGESTREAM_TEST_REDIS_PORT', '6379')}/{os.environ.get('PAGESTREAM_TEST_REDIS_DB', '9')}"
 
 
 @pytest.fixture(scope="module")
