@@ -66,6 +66,10 @@ class BulkSpec(BaseModel):
     s3_endpoint_url: str | None = None
     job_result_ttl_s: int = Field(3_600, ge=1)
     created_at: float = Field(default_factory=time.time)
+    # set by the gateway's /v1/batches: what OpenAI's Batch object reports (producer.batches)
+    endpoint: str | None = None  # lines with another url become error lines
+    input_file_id: str | None = None
+    metadata: dict[str, str] | None = None
 
 
 def new_bulk_id() -> str:
@@ -108,6 +112,9 @@ def create_bulk(
     completion_window_s: float | None = None,
     s3_endpoint_url: str | None = None,
     bulk_id: str | None = None,
+    endpoint: str | None = None,
+    input_file_id: str | None = None,
+    metadata: dict[str, str] | None = None,
 ) -> str:
     """Write a bulk's status hash (status ``validating``) without enqueueing it; returns the bulk id.
 
@@ -119,7 +126,7 @@ def create_bulk(
     spec = BulkSpec(
         bulk_id=bulk_id or new_bulk_id(), input=input, output=output, model=model, lane=Lane(lane),
         shard_lines=shard_lines, max_outstanding=max_outstanding, completion_window_s=completion_window_s,
-        s3_endpoint_url=s3_endpoint_url,
+        s3_endpoint_url=s3_endpoint_url, endpoint=endpoint, input_file_id=input_file_id, metadata=metadata,
     )
     key = keys.bulk_hash(spec.bulk_id)
     if not connection.hsetnx(key, "spec", spec.model_dump_json()):

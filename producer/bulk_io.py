@@ -14,30 +14,27 @@ from __future__ import annotations
 
 import json
 import reprlib
-import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pagestream.producer.gateway_openai import ChatMessageIn, GatewayError, completion_body
 from pagestream.producer.limits import job_limits
-from pagestream.producer.schema import format_validation_error
+from pagestream.producer.schema import JobResult, format_validation_error
 from pagestream.producer.untrusted import UntrustedJSONError, loads_untrusted
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 SUPPORTED_URLS = (COMPLETIONS_URL, CHAT_URL)
 MAX_CUSTOM_ID_CHARS = 512
+#: OpenAI's default ``max_tokens`` for /v1/completions (chat has none: until the model stops)
+OPENAI_COMPLETIONS_MAX_TOKENS = 16
+LOGPROBS_REFUSED = ("logprobs/top_logprobs are not supported in bulk requests: workers do not return log "
+                    "probabilities yet; remove them from the line to run it")
 _quote = reprlib.Repr()  # a reason quotes user input, never all of it
 _quote.maxstring = _quote.maxother = 60
 _short = _quote.repr
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
 
 
 class RequestBody(BaseModel):
@@ -47,7 +44,7 @@ class RequestBody(BaseModel):
 
     model: str | None = None
     prompt: str | list[str] | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessageIn] | None = None  # content: a string or text parts, as the gateway takes it
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -59,14 +56,23 @@ class RequestBody(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
-    n: int = 1
+    n: int | None = Field(default=None, ge=1)  # one choice per sample; the job schema holds the upper limit
+    # accepted so a line asking for them gets a clear error line (``parse_line``), not silence
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
 
-    @field_validator("n")
+    @field_validator("messages")
     @classmethod
-    def _one_sample(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported in bulk requests")
+    def _text_parts_only(cls, v: list[ChatMessageIn] | None) -> list[ChatMessageIn] | None:
+        for m in v or []:
+            try:
+                m.flat()
+            except GatewayError as exc:
+                raise ValueError(exc.message) from None
         return v
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs not in (None, False) or self.top_logprobs not in (None, 0)
 
     @field_validator("prompt")
     @classmethod
@@ -86,8 +92,9 @@ class RequestBody(BaseModel):
         return self
 
     def sampling(self) -> dict[str, Any]:
-        """Sampling fields as the job schema names them (None means the worker's default)."""
+        """Sampling fields the line set, as the job schema names them (``max_tokens`` only if given)."""
         out = {
+            "n": self.n,
             "max_tokens": self.max_completion_tokens or self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -110,10 +117,23 @@ class BulkRequest:
     custom_id: str
     url: str  # COMPLETIONS_URL or CHAT_URL
     body: RequestBody
+    openai_form: bool = True  # False: a plain ``{"prompt" | "messages", ...}`` line
 
     @property
     def is_chat(self) -> bool:
         return self.url == CHAT_URL
+
+    def max_tokens(self) -> int | None:
+        """The line's token limit with OpenAI's defaults: 16 for an OpenAI ``/v1/completions`` line,
+        otherwise none (generate until the model stops or the context is full)."""
+        given = self.body.max_completion_tokens or self.body.max_tokens
+        if given is None and self.openai_form and self.url == COMPLETIONS_URL:
+            return OPENAI_COMPLETIONS_MAX_TOKENS
+        return given
+
+    def messages(self) -> list[dict[str, str]] | None:
+        """Chat messages as the job schema takes them (text parts joined, ``developer`` as ``system``)."""
+        return None if self.body.messages is None else [m.flat() for m in self.body.messages]
 
 
 @dataclass(slots=True)
@@ -179,6 +199,8 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int | None = None) -> Bul
             return BadLine(line, f"{COMPLETIONS_URL} needs body.prompt", custom_id)
         if url == CHAT_URL and parsed.messages is None:
             return BadLine(line, f"{CHAT_URL} needs body.messages", custom_id)
+        if parsed.wants_logprobs():
+            return BadLine(line, LOGPROBS_REFUSED, custom_id)
         return BulkRequest(line=line, custom_id=custom_id, url=url, body=parsed)
 
     fields = {k: v for k, v in obj.items() if k != "custom_id"}
@@ -186,8 +208,10 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int | None = None) -> Bul
         parsed = RequestBody.model_validate(fields)
     except ValidationError as exc:
         return BadLine(line, format_validation_error(exc, prefix="line", max_errors=3), custom_id)
+    if parsed.wants_logprobs():
+        return BadLine(line, LOGPROBS_REFUSED, custom_id)
     url = CHAT_URL if parsed.messages is not None else COMPLETIONS_URL
-    return BulkRequest(line=line, custom_id=custom_id or f"line-{line}", url=url, body=parsed)
+    return BulkRequest(line=line, custom_id=custom_id or f"line-{line}", url=url, body=parsed, openai_form=False)
 
 
 # ---- output records -------------------------------------------------------------------------
@@ -236,16 +260,13 @@ def result_entry(
     job_id: str,
     custom_id: str,
     chat: bool,
+    result: JobResult,
     line: int | None = None,
-    model: str | None,
-    text: str | None,
-    finish_reason: str | None,
-    error: str | None,
-    prompt_tokens: int | None = None,
-    completion_tokens: int | None = None,
-    created: int | None = None,
+    requested_model: str | None = None,
+    error: str | None = None,
 ) -> PartEntry:
-    """The OpenAI batch output line for one finished job (success or error)."""
+    """The OpenAI batch output line for one finished job: an error line when ``error`` is set,
+    else a completion body as the gateway answers it (one choice per sample, the served model's name)."""
     line = line if line is not None else line_of_job_id(job_id)
     rid = f"batch_req_{job_id}"
     if error is not None:
@@ -256,20 +277,9 @@ def result_entry(
             "error": {"code": "generation_failed", "message": error, "line": line},
         }
         return PartEntry(line=line, custom_id=custom_id, ok=False, record=record)
-    created = created if created is not None else int(time.time())
-    usage = None
-    if prompt_tokens is not None or completion_tokens is not None:
-        p, c = prompt_tokens or 0, completion_tokens or 0
-        usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text or ""},
-                  "finish_reason": finish_reason, "logprobs": None}
-        body = {"id": f"chatcmpl-{job_id}", "object": "chat.completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage}
-    else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
-        body = {"id": f"cmpl-{job_id}", "object": "text_completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage}
+    # a served name is always set by the worker; the asked name is only a fallback for old results
+    model = result.model or requested_model or "unknown"
+    body = completion_body(chat, f"{'chatcmpl' if chat else 'cmpl'}-{job_id}", model, int(result.finished_at), result)
     record = {"id": rid, "custom_id": custom_id,
               "response": {"status_code": 200, "request_id": job_id, "body": body}, "error": None}
     return PartEntry(line=line, custom_id=custom_id, ok=True, record=record)

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from pagestream.producer import keys
 from pagestream.producer.bulk import LEASE_S, BulkSpec, BulkStatus, load_spec, request_counts
 from pagestream.producer.bulk_finalize import PARTS_PREFIX, compact, list_parts, manifest_header, remove_parts
-from pagestream.producer.bulk_io import BadLine, BulkRequest, bad_line_entry, max_line_bytes, parse_line, request_id
+from pagestream.producer.bulk_io import CHAT_URL, COMPLETIONS_URL, BadLine, BulkRequest, bad_line_entry, max_line_bytes, parse_line, request_id
 from pagestream.producer.bulk_storage import StorageError, StorageSettings, open_input, open_storage
 from pagestream.producer.client import Producer
 from pagestream.producer.limits import job_limits
@@ -103,6 +103,10 @@ def bulk_job(req: BulkRequest, spec: BulkSpec) -> dict[str, Any] | BadLine:
     """The job of one parsed input line as ``JobRequest`` keyword fields (validated, limits
     included), or the line's error when the job schema refuses it."""
     body = req.body
+    if spec.endpoint is not None and req.url != spec.endpoint:
+        return BadLine(req.line, f"url {req.url} differs from the batch's endpoint {spec.endpoint}", req.custom_id)
+    # nested, so an unbounded max_tokens (None) is kept rather than read as "not given"
+    sampling = {**body.sampling(), "max_tokens": req.max_tokens()}
     fields: dict[str, Any] = dict(
         job_id=request_id(spec.bulk_id, req.line),
         model=body.model or spec.model,
@@ -110,10 +114,10 @@ def bulk_job(req: BulkRequest, spec: BulkSpec) -> dict[str, Any] | BadLine:
         result_ttl_s=min(spec.job_result_ttl_s, job_limits().max_result_ttl_s),  # a lowered limit must not fail every line
         output=OutputTarget(kind="bulk", bulk_id=spec.bulk_id, custom_id=req.custom_id, uri=spec.output),
         metadata={"bulk_line": req.line},
-        **body.sampling(),
+        sampling=sampling,
     )
     if req.is_chat:
-        fields["messages"] = [m.model_dump() for m in body.messages or []]
+        fields["messages"] = req.messages()
     else:
         fields["prompt"] = body.prompt
     try:
@@ -354,6 +358,9 @@ class Orchestrator:
             data = b"".join(bad_line_entry(self.bulk_id, b).dumps() for b in bad)
             out.put_bytes(f"{PARTS_PREFIX}_input-{bad[0].line:010d}.jsonl", data)
         last_line = chunk[-1][0] if chunk else None
+        # Routing by model: a line whose model some worker announces goes to that model's lanes;
+        # any other stays on the shared lanes, for workers that serve no named model.
+        live = set(self.producer.live_models()) if jobs else set()
         while True:
             self._check_lease()
             with self.conn.pipeline() as pipe:
@@ -365,9 +372,8 @@ class Orchestrator:
                         return  # this commit landed but its reply was lost (Redis went away): not twice
                     pipe.multi()
                     for fields in jobs:
-                        # keyword form: Producer.submit(JobRequest, pipeline=...) rejects a model.
-                        # Bulk jobs stay on the shared lanes (model=None: not routed by model yet, issue 10 item 5).
-                        self.producer.submit(pipeline=pipe, **{**fields, "model": None})
+                        model = fields["model"] if fields["model"] in live else None
+                        self.producer.submit(pipeline=pipe, queue_unserved=True, **{**fields, "model": model})
                     mapping: dict[str, Any] = {}
                     if last_line is not None:
                         mapping["line"] = last_line
@@ -377,6 +383,8 @@ class Orchestrator:
                         mapping["input_done"] = "1"
                     if mapping:
                         pipe.hset(self.key, mapping=mapping)
+                    if jobs:  # the Batch object's endpoint, for bulks not created with one (producer.batches)
+                        pipe.hsetnx(self.key, "endpoint", CHAT_URL if "messages" in jobs[0] else COMPLETIONS_URL)
                     pipe.hincrby(self.key, "submitted", len(jobs))
                     pipe.hincrby(self.key, "invalid", len(bad))
                     pipe.execute()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,7 +108,7 @@ class LocalStorage:
     def put_bytes(self, name: str, data: bytes) -> None:
         path = self.root / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+        fd, tmp = _create_temp(path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -126,7 +126,7 @@ class LocalStorage:
         path.parent.mkdir(parents=True, exist_ok=True)
         digest = sha256_file(src)
         size = os.path.getsize(src)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+        fd, tmp = _create_temp(path.parent)
         try:
             with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
                 for chunk in iter(lambda: f.read(_READ_CHUNK_BYTES), b""):
@@ -216,6 +216,17 @@ def split_lines(chunks: Iterable[bytes], offset: int = 0, max_line_bytes: int | 
         add(rest)
     if size:
         yield b"".join(parts).rstrip(b"\r"), pos + size
+
+
+def _create_temp(directory: Path) -> tuple[int, str]:
+    """A new temp file in ``directory`` created 0666 less the umask, as ``open()`` would
+    (``mkstemp`` makes 0600: a dataset the consuming group could not read)."""
+    while True:
+        path = os.path.join(directory, f".tmp-{secrets.token_hex(8)}")
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), path
+        except FileExistsError:
+            continue
 
 
 def _fsync_dir(path: Path) -> None:

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated, Any
 
 import redis
@@ -28,7 +29,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagestream.producer import keys
+from pagestream.producer.bulk_rq import BULK_QUEUE
 from pagestream.producer.client import AsyncProducer
+from pagestream.producer.gateway_batches import add_batch_routes
 from pagestream.producer.gateway_openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,6 +63,10 @@ class GatewaySettings(BaseSettings):
     model_refresh_s: float = Field(1.0, gt=0)  # how long the served-model list is trusted
     # every open stream holds one connection in a blocking XREAD; past this many, requests wait for one
     redis_max_connections: int = Field(4096, ge=8)
+    # /v1/files and /v1/batches: uploads and batch outputs (a directory, or s3://bucket/prefix with S3_ENDPOINT_URL etc.)
+    files_uri: str = Field(default_factory=lambda: str(Path.home() / ".cache" / "pagestream" / "files"))
+    max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024)  # OpenAI's limit for a batch input file
+    bulk_queue: str = BULK_QUEUE  # the RQ queue ``pagestream bulk-worker`` runs batches from
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -117,6 +124,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self._depth: dict[str, tuple[float, int]] = {}
         self._background: set[asyncio.Task] = set()
+        self.batches: Any = None  # gateway_batches.BatchRoutes, made on the first /v1/files or /v1/batches call
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -282,6 +290,8 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
         finally:
             await asyncio.gather(*gw._background, return_exceptions=True)
             await gw.producer.aclose()
+            if gw.batches is not None:
+                gw.batches.close()
 
     app = FastAPI(title="pagestream gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
 
@@ -342,6 +352,7 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
     async def chat_completions(request: Request) -> Response:
         return await gw(request).complete(request, chat=True)
 
+    add_batch_routes(app)
     return app
 
 

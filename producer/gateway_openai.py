@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagestream.producer.schema import JobRequest, JobResult
+from pagestream.producer.schema import JobRequest, JobResult, SampleResult
 
 
 class GatewayError(Exception):
@@ -148,7 +148,8 @@ def usage(result: JobResult) -> dict[str, int]:
 
 
 def completion_body(chat: bool, rid: str, model: str, created: int, result: JobResult) -> dict:
-    samples = result.outputs or []
+    # a result built by hand may carry only the top-level fields (sample 0)
+    samples = result.outputs or [SampleResult(index=0, text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason)]
     choices = []
     for s in samples:
         choice: dict[str, Any] = {"index": s.index, "logprobs": None, "finish_reason": finish_reason(s.finish_reason)}

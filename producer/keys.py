@@ -103,3 +103,14 @@ def bulk_part_seq(bulk_id: str) -> str:
 def bulk_index() -> str:
     """Sorted set of all bulk ids by creation time."""
     return f"{PREFIX}:bulks"
+
+
+# ---- OpenAI files (producer.batches: /v1/files in the gateway) ----
+def file_hash(file_id: str) -> str:
+    """An uploaded (or batch output) file's record: name, bytes, purpose, where its content lives."""
+    return f"{PREFIX}:file:{{{file_id}}}"
+
+
+def files_index() -> str:
+    """Sorted set of file ids by creation time."""
+    return f"{PREFIX}:files"

@@ -11,6 +11,9 @@ import httpx
 from private_redis import free_port
 from queue_helpers import ROOT, wait_for
 
+#: the test Redis db (PAGESTREAM_TEST_REDIS_DB) the gateway tests flush
+DB_URL = f"redis://{os.environ.get('PAGESTREAM_TEST_REDIS_HOST', '127.0.0.1')}:{os.environ.get('PAGESTREAM_TEST_REDIS_PORT', '6379')}/{os.environ.get('PAGESTREAM_TEST_REDIS_DB', '9')}"
+
 
 class GatewayProc:
     def __init__(self, redis_url: str, *args: str, log_dir: Path, env: dict | None = None) -> None:

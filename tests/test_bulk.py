@@ -12,6 +12,7 @@ import threading
 import time
 
 import boto3
+import openai
 import pytest
 import redis
 
@@ -95,7 +96,10 @@ def test_parse_line_forms_and_reasons():
         b'{"custom_id": "a", "url": "/v1/completions", "body": {"messages": [{"role": "user", "content": "x"}]}}':
             "needs body.prompt",
         b'{"prompt": "a", "temperature": -1}': "temperature",
-        b'{"prompt": "a", "n": 2}': "n=1",
+        b'{"prompt": "a", "n": 0}': "line.n: Input should be greater than or equal to 1",
+        b'{"prompt": "a", "logprobs": 2}': "logprobs/top_logprobs are not supported in bulk requests",
+        b'{"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": '
+        b'[{"type": "image_url", "image_url": {"url": "x"}}]}], "logprobs": true}}': "only text content parts",
         b'{"custom_id": 5, "prompt": "a"}': "custom_id must be",
         b'\xff\xfe': "not UTF-8",
         b'{"max_tokens": 3}': "exactly one of 'prompt' or 'messages'",
@@ -177,6 +181,10 @@ def test_bulk_s3_end_to_end_one_line_per_custom_id(redis_url, s3, bucket, tmp_pa
         out += read_jsonl(obj["Body"].read())
     assert sorted(r["custom_id"] for r in out) == sorted(expected)
     by_id = {r["custom_id"]: r for r in out}
+    for r in out:  # every body is what the official SDK parses, with a model name (never null)
+        body = r["response"]["body"]
+        sdk = openai.types.chat.ChatCompletion if body["object"] == "chat.completion" else openai.types.Completion
+        assert sdk.model_validate(body).model
     chat = by_id["req-3"]["response"]["body"]
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"] == "echo:" + "3 olleh"
     comp = by_id["req-1"]["response"]
@@ -288,6 +296,13 @@ def test_cli_submit_wait_status_cancel_with_plain_rq_worker(redis_url, tmp_path)
     res = runner.invoke(app, ["bulk", "status", bulk_id, "--redis-url", redis_url, "--json"])
     st = json.loads(res.output)
     assert st["status"] == "completed" and st["request_counts"] == {"total": 120, "completed": 116, "failed": 4}
+    batch = openai.types.Batch.model_validate(st)  # what an OpenAI client expects of a batch
+    assert batch.created_at == int(st["created_at"]) and batch.endpoint in ("/v1/chat/completions", "/v1/completions")
+    assert batch.output_file_id == f"file-{bulk_id}-output" and batch.error_file_id == f"file-{bulk_id}-errors"
+    # the dataset is readable by the group that consumes it: created per the umask, not 0600
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o666 & ~umask}
     assert sorted(p.name for p in out.iterdir()) == ["errors-00000.jsonl", "manifest.json", "output-00000.jsonl",
                                                      "output-00001.jsonl", "output-00002.jsonl"]
     assert len(expected) == 116

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 
 import httpx
 import openai
 import pytest
 import redis
 
-from gateway_helpers import GatewayProc
+from gateway_helpers import DB_URL, GatewayProc
 from pagestream.producer import JobResult, Producer
 from pagestream.producer import keys
 from pagestream.worker.fake_engine import FakeEngine
@@ -20,7 +19,6 @@ from queue_helpers import WorkerProc, wait_for
 
 MODEL = "fake-model"
 KEY = "sk-test-key"
-DB_URL = f"redis://{os.environ.get('PAGESTREAM_TEST_REDIS_HOST', '127.0.0.1')}:{os.environ.get('PAGESTREAM_TEST_REDIS_PORT', '6379')}/{os.environ.get('PAGESTREAM_TEST_REDIS_DB', '9')}"
 
 
 @pytest.fixture(scope="module")

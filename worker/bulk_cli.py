@@ -91,8 +91,12 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="print the full status as JSON"),
 ) -> None:
     """Show a bulk's status and request counts."""
+    from pagestream.producer.batches import batch_object
+
     try:
-        st = get_bulk(_conn(redis_url), bulk_id)
+        conn = _conn(redis_url)
+        # --json: OpenAI's Batch object (openai.types.Batch validates it) plus pagestream's fields
+        st = batch_object(conn, bulk_id) if as_json else get_bulk(conn, bulk_id)
     except KeyError as exc:
         typer.echo(f"no bulk {bulk_id}", err=True)
         raise typer.Exit(2) from exc

@@ -105,13 +105,9 @@ class BulkSink:
             line=line,
             custom_id=target.custom_id or job.job_id,
             chat=getattr(job, "messages", None) is not None,
-            model=getattr(job, "model", None),
-            text=getattr(result, "text", ""),
-            finish_reason=getattr(result, "finish_reason", None),
+            result=result,
+            requested_model=getattr(job, "model", None),
             error=error,
-            prompt_tokens=getattr(result, "prompt_tokens", None),
-            completion_tokens=getattr(result, "completion_tokens", None),
-            created=int(getattr(result, "finished_at", None) or time.time()),
         )
         buf = self._buffers.get(target.bulk_id)
         if buf is None:

@@ -148,7 +148,8 @@ class FakeEngine:
                 toks.append(tok)
                 self._num_generated += 1
                 finish = None
-                if len(toks) >= (req.params.max_tokens or 1 << 30):
+                # no max_tokens: until the context is full, as the real engine does
+                if len(toks) >= (req.params.max_tokens or self.config.max_model_len - len(req.prompt_token_ids)):
                     finish = "length"
                     req.done[s] = True
                 deltas.append(CompletionOutput(index=s, text=f"<{tok}>", token_ids=[tok], first_token_index=k, finish_reason=finish))
