@@ -214,8 +214,12 @@ class ProducerCore:
 
     # -- reads -------------------------------------------------------------------------------
 
-    def _read(self, call: Call, what: str) -> Steps:
-        """Perform a read, backing off and retrying on connection errors up to ``reconnect_timeout_s``."""
+    def _read(self, call: Call, what: str, patient: bool = True) -> Steps:
+        """Perform a read, backing off and retrying on connection errors up to ``reconnect_timeout_s``.
+
+        Not ``patient`` (an operation that has not reached Redis yet): the first failure is final,
+        so a command pointed at a Redis that is down says so at once instead of waiting it out.
+        """
         backoff = ExponentialBackoff(cap=2.0, base=0.05)
         failures = 0
         give_up = time.monotonic() + self.reconnect_timeout_s
@@ -223,8 +227,10 @@ class ProducerCore:
             reply = yield call
             if not isinstance(reply, Failed):
                 return reply
+            if not patient:
+                raise redis.ConnectionError(f"cannot reach Redis while {what}: {reply.error}") from reply.error
             if time.monotonic() > give_up:
-                raise ConnectionError(f"Redis unreachable for {self.reconnect_timeout_s} s while {what}") from reply.error
+                raise redis.ConnectionError(f"Redis unreachable for {self.reconnect_timeout_s} s while {what}") from reply.error
             failures += 1
             yield Sleep(backoff.compute(failures))
 
@@ -244,13 +250,15 @@ class ProducerCore:
         out_key = keys.out_stream(job_id)
         last: str | None = None
         what = f"waiting for job {job_id}"
+        reached = False  # a reconnect is waited for only once Redis answered this call
         while True:
             if last is None:
                 # Note the newest entry before reading the result: the worker writes the end entry and
                 # the result in one transaction, so a result missed below has its end entry after this id
                 # and the XREAD wakes at once (read the other way round, it would sleep a full block).
-                newest = yield from self._read(Call("xrevrange", (out_key,), {"count": 1}, retry=True), what)
+                newest = yield from self._read(Call("xrevrange", (out_key,), {"count": 1}, retry=True), what, reached)
                 last = _s(newest[0][0]) if newest else "0-0"
+                reached = True
             raw, st = yield from self._read(Call("hmget", (keys.job_hash(job_id), ["result", "status"]), retry=True), what)
             if raw is not None:
                 return JobResult.model_validate_json(raw)
@@ -275,8 +283,11 @@ class ProducerCore:
         last = "0-0"  # the last entry read: after a reconnect, reading resumes right after it
         idle_since = time.monotonic()
         what = f"streaming job {job_id}"
+        reached = False  # a reconnect is waited for only once Redis answered this call
         while True:
-            resp = yield from self._read(Call("xread", ({out_key: last},), {"count": 1000, "block": 1000}, retry=True), what)
+            resp = yield from self._read(Call("xread", ({out_key: last},), {"count": 1000, "block": 1000}, retry=True),
+                                         what, reached)
+            reached = True
             if not resp:
                 st = yield from self._read(Call("hget", (keys.job_hash(job_id), "status"), retry=True), what)
                 exists = yield from self._read(Call("exists", (out_key,), retry=True), what)
