@@ -87,7 +87,9 @@ def worker(
     prefetch: Optional[int] = typer.Option(None, "--prefetch"),
     publish_interval_ms: Optional[float] = typer.Option(None, "--publish-interval-ms"),
     burst: bool = typer.Option(False, "--burst", help="exit when the queue is empty"),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="PAGESTREAM_METRICS_PORT", help="serve Prometheus metrics on this port"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="PAGESTREAM_METRICS_PORT", show_envvar=True, help="serve Prometheus metrics (only /metrics) on this port [default: none]"),
+    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", envvar="PAGESTREAM_METRICS_HOST", show_envvar=True,
+                                     help="address the metrics endpoint binds (0.0.0.0 in a container)"),
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
     """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
@@ -110,7 +112,7 @@ def worker(
     client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
     w = Worker(client, engine, settings)
     if metrics_port:
-        w.metrics.serve(metrics_port)
+        w.metrics.serve(metrics_port, metrics_host)
     logging.getLogger("pagestream").info("worker %s ready on %s (lanes %s)", settings.consumer, redact_url(settings.redis_url), settings.lanes)
     from pagestream.worker.routing import start_announcer
 
