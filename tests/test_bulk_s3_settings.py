@@ -17,6 +17,7 @@ import time
 import boto3
 import pytest
 
+from test_bulk_e2e import stop_all
 from test_bulk_support import AWS_ENV
 from tests.queue_helpers import ROOT
 
@@ -42,14 +43,7 @@ def _cli(*args: str, env: dict, **kw) -> subprocess.Popen:
 def processes():
     procs: list[subprocess.Popen] = []
     yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    stop_all(procs)
 
 
 def _start(processes, redis_url, tmp_path, worker_credentials: bool) -> None:
