@@ -25,6 +25,7 @@ import redis
 from pydantic import BaseModel, Field
 
 from pagestream.producer import keys
+from pagestream.producer.bulk_storage import AddressingStyle, StorageSettings
 from pagestream.producer.bulk_rq import BULK_QUEUE, RUN_BULK_FUNC, bulk_queue, fetch_job_status, rq_connection
 from pagestream.producer.schema import Lane
 
@@ -63,13 +64,21 @@ class BulkSpec(BaseModel):
     shard_lines: int = Field(10_000, ge=1)
     max_outstanding: int = Field(2_048, ge=1)
     completion_window_s: float | None = Field(None, gt=0)
+    # where the bulk's S3 objects are, for every process that touches them (never credentials)
     s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_addressing_style: AddressingStyle | None = None
     job_result_ttl_s: int = Field(3_600, ge=1)
     created_at: float = Field(default_factory=time.time)
     # set by the gateway's /v1/batches: what OpenAI's Batch object reports (producer.batches)
     endpoint: str | None = None  # lines with another url become error lines
     input_file_id: str | None = None
     metadata: dict[str, str] | None = None
+
+    def storage_settings(self, base: StorageSettings | None = None) -> StorageSettings:
+        """``base`` (default: this process's environment) with the bulk's own S3 location on top."""
+        mine = {k: getattr(self, k) for k in ("s3_endpoint_url", "s3_region", "s3_addressing_style") if getattr(self, k)}
+        return (base or StorageSettings()).model_copy(update=mine)
 
 
 def new_bulk_id() -> str:
@@ -111,6 +120,8 @@ def create_bulk(
     max_outstanding: int = 2_048,
     completion_window_s: float | None = None,
     s3_endpoint_url: str | None = None,
+    s3_region: str | None = None,
+    s3_addressing_style: AddressingStyle | None = None,
     bulk_id: str | None = None,
     endpoint: str | None = None,
     input_file_id: str | None = None,
@@ -127,6 +138,7 @@ def create_bulk(
         bulk_id=bulk_id or new_bulk_id(), input=input, output=output, model=model, lane=Lane(lane),
         shard_lines=shard_lines, max_outstanding=max_outstanding, completion_window_s=completion_window_s,
         s3_endpoint_url=s3_endpoint_url, endpoint=endpoint, input_file_id=input_file_id, metadata=metadata,
+        s3_region=s3_region, s3_addressing_style=s3_addressing_style,
     )
     key = keys.bulk_hash(spec.bulk_id)
     if not connection.hsetnx(key, "spec", spec.model_dump_json()):
@@ -153,7 +165,7 @@ def submit_bulk(
     ``input`` is a local path, ``file://`` URI or ``s3://bucket/key``; ``output`` a
     local directory, ``file://`` URI or ``s3://bucket/prefix``. ``options`` are
     ``create_bulk``'s (model, lane, shard_lines, max_outstanding,
-    completion_window_s, s3_endpoint_url, bulk_id). Nothing is read here: the
+    completion_window_s, s3_endpoint_url, s3_region, s3_addressing_style, bulk_id). Nothing is read here: the
     orchestrator validates both (status ``validating``) and fails the bulk with a
     clear error if either is unusable.
     """
@@ -208,7 +220,8 @@ def get_bulk(conn: redis.Redis, bulk_id: str) -> dict[str, Any]:
         "error": state.get("error"),
         "manifest": state.get("manifest"),
     }
-    if state.get("sink_error"):
+    # a part write that failed once and then went through is history once the bulk completed
+    if state.get("sink_error") and out["status"] != BulkStatus.COMPLETED.value:
         out["sink_error"] = state["sink_error"]
     return out
 

@@ -135,9 +135,7 @@ class Orchestrator:
         self.key = keys.bulk_hash(bulk_id)
         self.lock_key = keys.bulk_lock(bulk_id)
         self.spec: BulkSpec = load_spec(conn, bulk_id)
-        settings = storage_settings or StorageSettings()
-        if self.spec.s3_endpoint_url:
-            settings = settings.model_copy(update={"s3_endpoint_url": self.spec.s3_endpoint_url})
+        settings = self.spec.storage_settings(storage_settings)
         self.storage_settings = settings
         self.producer = Producer(conn)
         self.token = f"{time.time():.6f}-{id(self)}"

@@ -54,8 +54,10 @@ def make_s3_client(settings: StorageSettings | None = None, endpoint_url: str | 
         retries={"mode": "standard", "max_attempts": settings.s3_max_attempts},
         connect_timeout=settings.s3_connect_timeout_s,
         read_timeout=settings.s3_read_timeout_s,
+        s3={"addressing_style": settings.s3_addressing_style} if settings.s3_addressing_style else None,
     )
-    return boto3.client("s3", endpoint_url=endpoint_url or settings.s3_endpoint_url, config=config)
+    return boto3.client("s3", endpoint_url=endpoint_url or settings.s3_endpoint_url, region_name=settings.s3_region,
+                        config=config)
 
 
 def _error_code(exc: Exception) -> str:
@@ -65,7 +67,10 @@ def _error_code(exc: Exception) -> str:
 
 
 def _is_permanent(exc: Exception) -> bool:
-    return _error_code(exc) in _PERMANENT_CODES
+    from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+    # no credentials at all: botocore raises before any request, and no retry will find some
+    return isinstance(exc, (NoCredentialsError, PartialCredentialsError)) or _error_code(exc) in _PERMANENT_CODES
 
 
 def _is_transient(exc: Exception) -> bool:
@@ -142,7 +147,9 @@ class S3Storage:
         try:
             self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=data)
         except Exception as exc:
-            raise self._fail("PUT", name, exc) from exc
+            err = self._fail("PUT", name, exc)
+            err.permanent = err.permanent or not _is_transient(exc)
+            raise err from exc
 
     def _head(self, name: str) -> dict | None:
         from botocore.exceptions import ClientError

@@ -24,7 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 from urllib.parse import unquote, urlparse
 
+from typing import Literal
+
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pagestream.producer.settings import ENV_PREFIX, S3_ADDRESSING_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV
 
 if TYPE_CHECKING:
     from pagestream.producer.bulk_s3 import S3Storage
@@ -32,12 +37,20 @@ if TYPE_CHECKING:
 _READ_CHUNK_BYTES = 1024 * 1024
 
 
+#: how boto3 addresses a bucket: "path" for most MinIO / moto set-ups, "virtual" for AWS
+AddressingStyle = Literal["auto", "virtual", "path"]
+
+
 class StorageSettings(BaseSettings):
-    """S3 client settings, from the environment (``S3_ENDPOINT_URL``, ...)."""
+    """S3 client settings: ``PAGESTREAM_S3_*`` from the environment, the standard names
+    (``S3_ENDPOINT_URL``, ``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``...) as aliases. A bulk's own
+    endpoint, region and addressing style (given at submit) override these: ``BulkSpec.storage_settings``."""
 
-    model_config = SettingsConfigDict(extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", populate_by_name=True)
 
-    s3_endpoint_url: str | None = None
+    s3_endpoint_url: str | None = Field(None, validation_alias=AliasChoices(*S3_ENDPOINT_ENV))
+    s3_region: str | None = Field(None, validation_alias=AliasChoices(*S3_REGION_ENV))
+    s3_addressing_style: AddressingStyle | None = Field(None, validation_alias=AliasChoices(*S3_ADDRESSING_ENV))
     s3_max_attempts: int = 8  # botocore "standard" mode: exponential backoff with jitter
     s3_connect_timeout_s: float = 5.0
     s3_read_timeout_s: float = 30.0

@@ -8,51 +8,72 @@
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
+from enum import Enum
+from typing import Optional
 
 import redis
 import typer
 from rq import SimpleWorker
 
-from pagestream.producer.bulk import BULK_QUEUE, BulkStatus, cancel_bulk, dumps_status, get_bulk, rescue_stalled, submit_bulk
+from pagestream.producer.bulk import BULK_QUEUE, BulkStatus, cancel_bulk, dumps_status, get_bulk, list_bulks, rescue_stalled, submit_bulk
 from pagestream.producer.redaction import install_log_redaction
+from pagestream.producer.bulk_storage import is_s3, local_path
+from pagestream.producer.schema import Lane
+from pagestream.producer.settings import S3_ADDRESSING_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV
 from pagestream.producer.redis_conn import outage_proof
+from pagestream.worker.cli_common import fail, redis_url_option, resolve_url
 
 log = logging.getLogger(__name__)
 
 bulk_app = typer.Typer(help="Bulk dataset generation: OpenAI-batch JSONL in, sharded JSONL out.", no_args_is_help=True)
 
-_REDIS_URL = typer.Option("redis://127.0.0.1:6379/0", "--redis-url", envvar="REDIS_URL", help="Redis URL")
-_S3_ENDPOINT = typer.Option(None, "--s3-endpoint-url", envvar="S3_ENDPOINT_URL",
-                            help="S3-compatible endpoint (MinIO, moto); default: AWS")
+_REDIS_URL = redis_url_option()
+_S3_ENDPOINT = typer.Option(None, "--s3-endpoint-url", envvar=list(S3_ENDPOINT_ENV), show_envvar=True,
+                            show_default="AWS", help="S3-compatible endpoint (MinIO, moto)")
 
 
-def _conn(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, decode_responses=True)
+class AddressingStyleChoice(str, Enum):
+    auto = "auto"
+    virtual = "virtual"
+    path = "path"
+
+
+def _conn(url: str | None) -> redis.Redis:
+    return redis.Redis.from_url(resolve_url(url), decode_responses=True)
 
 
 @bulk_app.command("submit")
 def submit(
     input: str = typer.Argument(..., help="input JSONL: local path, file:// or s3://bucket/key"),
     out: str = typer.Option(..., "--out", help="output: local dir, file:// or s3://bucket/prefix"),
-    redis_url: str = _REDIS_URL,
+    redis_url: Optional[str] = _REDIS_URL,
     shard_lines: int = typer.Option(10_000, "--shard-lines", min=1, help="lines per output shard"),
     model: str = typer.Option(None, "--model", help="model name recorded in bodies when a line has none"),
-    lane: str = typer.Option("low", "--lane", help="lane the jobs go to: high, normal, low"),
+    lane: Lane = typer.Option(Lane.LOW, "--lane", help="lane the jobs go to"),
     max_outstanding: int = typer.Option(2_048, "--max-outstanding", min=1, help="queued-but-unfinished job bound"),
     completion_window_s: float = typer.Option(None, "--completion-window-s", help="expire after this many seconds"),
-    s3_endpoint_url: str = _S3_ENDPOINT,
+    s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
+    s3_region: Optional[str] = typer.Option(None, "--s3-region", envvar=list(S3_REGION_ENV), show_envvar=True,
+                                            show_default="boto3's", help="S3 region"),
+    s3_addressing_style: Optional[AddressingStyleChoice] = typer.Option(
+        None, "--s3-addressing-style", envvar=list(S3_ADDRESSING_ENV), show_envvar=True,
+        show_default="boto3's", help="bucket addressing (path for most MinIO set-ups)"),
     wait: bool = typer.Option(False, "--wait", help="show progress and return when the bulk is final"),
 ) -> None:
     """Submit a bulk; prints its id."""
+    if not is_s3(input) and not local_path(input).is_file():
+        fail(f"input file {local_path(input).resolve()} does not exist")
     conn = _conn(redis_url)
     try:
-        bulk_id = submit_bulk(input, out, connection=conn, model=model, lane=lane, shard_lines=shard_lines,
+        bulk_id = submit_bulk(input, out, connection=conn, model=model, lane=lane.value, shard_lines=shard_lines,
                               max_outstanding=max_outstanding, completion_window_s=completion_window_s,
-                              s3_endpoint_url=s3_endpoint_url)
+                              s3_endpoint_url=s3_endpoint_url, s3_region=s3_region,
+                              s3_addressing_style=s3_addressing_style.value if s3_addressing_style else None)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(bulk_id)
@@ -71,7 +92,9 @@ def _wait(conn: redis.Redis, bulk_id: str, poll_s: float = 0.5) -> int:
             if st["input_done"] and bar.total != counts["total"]:
                 bar.total = counts["total"]
             bar.n = counts["completed"] + counts["failed"]
-            bar.set_postfix(status=st["status"], failed=counts["failed"], refresh=False)
+            # a sink error is why a bulk stops moving: show it while it lasts
+            extra = {"sink_error": st["sink_error"][:200]} if st.get("sink_error") else {}
+            bar.set_postfix(status=st["status"], failed=counts["failed"], **extra, refresh=False)
             bar.refresh()
             if BulkStatus(st["status"]).is_final:
                 break
@@ -87,7 +110,7 @@ def _wait(conn: redis.Redis, bulk_id: str, poll_s: float = 0.5) -> int:
 @bulk_app.command("status")
 def status(
     bulk_id: str = typer.Argument(...),
-    redis_url: str = _REDIS_URL,
+    redis_url: Optional[str] = _REDIS_URL,
     as_json: bool = typer.Option(False, "--json", help="print the full status as JSON"),
 ) -> None:
     """Show a bulk's status and request counts."""
@@ -97,9 +120,8 @@ def status(
         conn = _conn(redis_url)
         # --json: OpenAI's Batch object (openai.types.Batch validates it) plus pagestream's fields
         st = batch_object(conn, bulk_id) if as_json else get_bulk(conn, bulk_id)
-    except KeyError as exc:
-        typer.echo(f"no bulk {bulk_id}", err=True)
-        raise typer.Exit(2) from exc
+    except KeyError:
+        fail(f"no bulk {bulk_id}")
     if as_json:
         typer.echo(dumps_status(st))
         return
@@ -111,23 +133,47 @@ def status(
             typer.echo(f"  {k}: {st[k]}")
 
 
+@bulk_app.command("list")
+def list_(
+    redis_url: Optional[str] = _REDIS_URL,
+    limit: int = typer.Option(20, "--limit", min=1, help="how many, newest first"),
+    as_json: bool = typer.Option(False, "--json", help="one status JSON object per line"),
+) -> None:
+    """The newest bulks: id, status, request counts, created time."""
+    conn = _conn(redis_url)
+    bulk_ids = list_bulks(conn, limit)
+    for bulk_id in bulk_ids:
+        try:
+            st = get_bulk(conn, bulk_id)
+        except KeyError:
+            continue  # expired between the index and its hash
+        if as_json:
+            typer.echo(json.dumps(st, sort_keys=True))
+            continue
+        c = st["request_counts"]
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(st["created_at"] or 0))
+        typer.echo(f"{bulk_id}  {st['status']:<11} total={c['total']} completed={c['completed']} "
+                   f"failed={c['failed']}  created {created} UTC  {st['output']}")
+    if not bulk_ids and not as_json:
+        typer.echo("no bulks", err=True)
+
+
 @bulk_app.command("cancel")
-def cancel(bulk_id: str = typer.Argument(...), redis_url: str = _REDIS_URL) -> None:
+def cancel(bulk_id: str = typer.Argument(...), redis_url: Optional[str] = _REDIS_URL) -> None:
     """Stop feeding a bulk; what is done is finalized and the bulk ends as cancelled."""
     try:
         typer.echo(cancel_bulk(_conn(redis_url), bulk_id))
-    except KeyError as exc:
-        typer.echo(f"no bulk {bulk_id}", err=True)
-        raise typer.Exit(2) from exc
+    except KeyError:
+        fail(f"no bulk {bulk_id}")
 
 
 def bulk_worker(
-    redis_url: str = typer.Option(..., "--redis-url", envvar="REDIS_URL", help="Redis URL"),
+    redis_url: Optional[str] = _REDIS_URL,
     queue: str = typer.Option(BULK_QUEUE, "--queue", help="RQ queue of orchestration jobs"),
     name: str = typer.Option(None, "--name", help="RQ worker name"),
     burst: bool = typer.Option(False, "--burst", help="exit when the queue is empty"),
     rescue_interval_s: float = typer.Option(5.0, "--rescue-interval-s", help="how often to look for stalled bulks"),
-    s3_endpoint_url: str = _S3_ENDPOINT,
+    s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
 ) -> None:
     """Run the RQ worker for bulk orchestration jobs (plain ``rq worker`` works too when given the same serializer and job class: see ``producer/bulk_rq.py``).
 
@@ -141,6 +187,7 @@ def bulk_worker(
     install_log_redaction()
     if s3_endpoint_url:
         os.environ["S3_ENDPOINT_URL"] = s3_endpoint_url
+    redis_url = resolve_url(redis_url)
     redis.Redis.from_url(redis_url, socket_connect_timeout=5).ping()  # fail fast: main() says why in one line
     conn = outage_proof(redis_url, decode_responses=False)  # RQ wants bytes responses
     decoded = outage_proof(redis_url, decode_responses=True)

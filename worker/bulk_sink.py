@@ -78,6 +78,7 @@ class BulkSink:
         self.max_buffered_lines = int(getattr(settings, "bulk_max_buffered_lines", None) or 4 * self.flush_lines)
         endpoint = getattr(settings, "s3_endpoint_url", None)
         self.storage_settings = StorageSettings(**({"s3_endpoint_url": endpoint} if endpoint else {}))
+        self._specs: dict[str, BulkSpec] = {}
         self._count = redis_client.register_script(_COUNT_LUA)
         self._buffers: dict[str, _Buffer] = {}
         self._storages: dict[str, Storage] = {}
@@ -135,14 +136,20 @@ class BulkSink:
         return acks
 
     def _storage(self, bulk_id: str, uri: str | None) -> Storage:
-        if uri is None:
+        # The bulk's S3 endpoint, region and addressing style (given at submit) travel in its spec:
+        # parts go where the orchestrator reads them, whatever this worker's environment says.
+        spec = self._specs.get(bulk_id)
+        if spec is None:
             raw = self.redis.hget(keys.bulk_hash(bulk_id), "spec")
-            if raw is None:
+            if raw is not None:
+                spec = self._specs[bulk_id] = BulkSpec.model_validate_json(_text(raw))
+            elif uri is None:
                 raise StorageError(f"bulk {bulk_id} has no output URI", permanent=True)
-            uri = BulkSpec.model_validate_json(_text(raw)).output
-        st = self._storages.get(uri)
+        uri = uri or spec.output
+        settings = spec.storage_settings(self.storage_settings) if spec else self.storage_settings
+        st = self._storages.get(uri)  # an output URI belongs to one bulk, so to one S3 location
         if st is None:
-            st = self._storages[uri] = open_storage(uri, self.storage_settings)
+            st = self._storages[uri] = open_storage(uri, settings)
         return st
 
     def _flush(self, bulk_id: str, buf: _Buffer) -> list[tuple[str, str]]:
@@ -152,6 +159,7 @@ class BulkSink:
         if status is None or BulkStatus(_text(status)).is_final:
             # The bulk is over (or gone): nobody will compact this line, so just let the job go.
             del self._buffers[bulk_id]
+            self._specs.pop(bulk_id, None)
             return entries
         seq = self.redis.incr(keys.bulk_part_seq(bulk_id))
         name = f"parts/{self.consumer}-{seq:06d}.jsonl"
@@ -169,6 +177,8 @@ class BulkSink:
                 fields["sink_error_permanent"] = "1"
             self.redis.hset(key, mapping=fields)
             return []
+        if buf.failures:  # this worker's last error is history now
+            self.redis.hdel(key, "sink_error", "sink_error_permanent")
         args: list[str] = []
         for _, _, entry in buf.items:
             args += [entry.custom_id or "", "1" if entry.ok else "0"]

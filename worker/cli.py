@@ -3,28 +3,41 @@
 Only ``worker`` imports the engine (inside the command), so ``submit``, ``tail``,
 ``stats`` and ``bulk`` work in a producer-only install without torch.
 
-Exit status: 0 done, 1 the job or bulk did not complete, 2 bad input, 3 Redis unreachable
-(one line on stderr, no traceback).
+Exit status: 0 done, 1 the job or bulk did not complete, 2 bad input or not found,
+3 Redis unreachable (one line on stderr, no traceback): see ``worker/cli_common.py``.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from typing import Optional
 
 import typer
 
+from pagestream.producer.schema import Lane
 from pagestream.producer.redaction import install_log_redaction, redact, redact_url
+from pagestream.worker.cli_common import EXIT_REDIS_DOWN, redis_url_option, resolve_url
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="pagestream: queue-fed LLM batch inference.")
 
-RedisUrl = typer.Option(None, "--redis-url", envvar="REDIS_URL", help="Redis URL (default: $REDIS_URL or redis://localhost:6379/0)")
+RedisUrl = redis_url_option()
+_url = resolve_url
 
 
-def _url(url: str | None) -> str:
-    return url or os.environ.get("REDIS_URL") or "redis://localhost:6379/0"
+def _version(value: bool) -> None:
+    if value:
+        from pagestream import __version__
+
+        typer.echo(f"pagestream {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version and exit"),
+) -> None:
+    """pagestream: queue-fed LLM batch inference."""
 
 
 def build_engine(settings) -> object:
@@ -74,7 +87,9 @@ def worker(
     prefetch: Optional[int] = typer.Option(None, "--prefetch"),
     publish_interval_ms: Optional[float] = typer.Option(None, "--publish-interval-ms"),
     burst: bool = typer.Option(False, "--burst", help="exit when the queue is empty"),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="PAGESTREAM_METRICS_PORT", help="serve Prometheus metrics on this port"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="PAGESTREAM_METRICS_PORT", show_envvar=True, help="serve Prometheus metrics (only /metrics) on this port [default: none]"),
+    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", envvar="PAGESTREAM_METRICS_HOST", show_envvar=True,
+                                     help="address the metrics endpoint binds (0.0.0.0 in a container)"),
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
     """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
@@ -97,7 +112,7 @@ def worker(
     client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
     w = Worker(client, engine, settings)
     if metrics_port:
-        w.metrics.serve(metrics_port)
+        w.metrics.serve(metrics_port, metrics_host)
     logging.getLogger("pagestream").info("worker %s ready on %s (lanes %s)", settings.consumer, redact_url(settings.redis_url), settings.lanes)
     from pagestream.worker.routing import start_announcer
 
@@ -117,7 +132,7 @@ def submit(
     temperature: float = typer.Option(1.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    lane: str = typer.Option("normal", "--lane"),
+    lane: Lane = typer.Option(Lane.NORMAL, "--lane", help="priority lane: workers read high before normal before low"),
     job_id: Optional[str] = typer.Option(None, "--job-id"),
     chat: bool = typer.Option(False, "--chat", help="apply the model's chat template"),
     system: Optional[str] = typer.Option(None, "--system", help="system message (implies --chat)"),
@@ -132,7 +147,7 @@ def submit(
     from pagestream.producer import Producer
     from pagestream.producer.schema import format_validation_error
 
-    fields: dict = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, lane=lane, job_id=job_id)
+    fields: dict = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, lane=lane.value, job_id=job_id)
     if chat or system:
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         fields["messages"] = msgs
@@ -222,9 +237,11 @@ from pagestream.worker.serve_cli import gateway, serve  # noqa: E402  (the OpenA
 app.command("gateway")(gateway)
 app.command("serve")(serve)
 
+from pagestream.worker.ops_cli import cancel, dlq_app, status  # noqa: E402  (operations, issue 13)
 
-#: exit status when Redis cannot be reached
-EXIT_REDIS_DOWN = 3
+app.command("cancel")(cancel)
+app.command("status")(status)
+app.add_typer(dlq_app, name="dlq")
 
 
 def main() -> None:
@@ -233,8 +250,9 @@ def main() -> None:
 
     try:
         app()
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        typer.echo(f"error: cannot reach Redis: {redact(str(exc))}", err=True)
+    except (redis.ConnectionError, redis.TimeoutError, ConnectionError) as exc:  # builtin: a producer read gave up
+        cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""  # the producer's give-up names the job, its cause the server
+        typer.echo(f"error: cannot reach Redis: {redact(str(exc) + cause)}", err=True)
         raise SystemExit(EXIT_REDIS_DOWN) from None
 
 

@@ -116,6 +116,7 @@ class Consumer:
         self.lanes = list(settings.lanes)
         self._refresh = client.register_script(_REFRESH_LUA)
         self._read_cut = client.register_script(_READ_LUA)
+        self._delete_idle = client.register_script(_DELETE_IDLE_LUA)
 
     def _pull(self, lane: str, mode: str, count: int, arg: str | int) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
         """Entries of one lane (``_READ_LUA``), oversized ones cut down, fields as a dict (None: deleted)."""
@@ -300,6 +301,33 @@ class Consumer:
 
     # -- trimming ---------------------------------------------------------------------------
 
+    def remove_stale_consumers(self, idle_ms: int) -> list[str]:
+        """XGROUP DELCONSUMER every consumer of our lanes that holds no entries (no lease to lose)
+        and has not read for ``idle_ms``: workers that stopped or died stay listed otherwise.
+        A live worker reads at least every ``block_ms``, and one removed anyway is recreated
+        by its next read. Returns the removed names (once per consumer)."""
+        return self._delete_consumers(lambda name, idle: name != self.name and idle >= idle_ms)
+
+    def leave(self) -> bool:
+        """On a clean stop: remove this consumer from the group of every lane where it holds nothing."""
+        return bool(self._delete_consumers(lambda name, idle: name == self.name))
+
+    def _delete_consumers(self, which: Callable[[str, int], bool]) -> list[str]:
+        removed: set[str] = set()
+        for lane in self.lanes:
+            try:
+                consumers = self.redis.xinfo_consumers(self.stream(lane), self.group)
+            except redis.ResponseError:
+                continue  # no stream or group yet
+            for c in consumers:
+                name = _s(c["name"])
+                if int(c["pending"]) or not which(name, int(c["idle"])):
+                    continue
+                # DELCONSUMER drops what the consumer holds: the script checks, atomically, that it holds nothing
+                if self._delete_idle(keys=[self.stream(lane)], args=[self.group, name]):
+                    removed.add(name)
+        return sorted(removed)
+
     def trim(self) -> dict[str, int]:
         """Drop acked entries: XTRIM MINID up to the oldest entry any group still needs.
 
@@ -327,6 +355,14 @@ class Consumer:
             if floor is not None and floor > (0, 0):
                 removed[lane] = self.redis.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False)
         return removed
+
+
+# KEYS: lane stream. ARGV: group, consumer. Deletes the consumer only while it holds no entry.
+_DELETE_IDLE_LUA = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
 
 
 def _parse_id(entry_id: str) -> tuple[int, int]:

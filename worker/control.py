@@ -2,7 +2,8 @@
 
 Every ``lease_ms / 3`` it resets the idle time of the entries the worker holds (and
 reports those another consumer took over); it follows the cancel stream (a cancel
-reaches the loop before its next step); it trims lanes by MINID; it writes the
+reaches the loop before its next step); it trims lanes by MINID and removes consumers
+that hold nothing and have been idle for ``stale_consumer_ms``; it writes the
 worker's engine stats hash for ``pagestream stats``. The loop itself only talks to
 Redis when it pulls. Everything it shares with the loop goes through ``LoopState``.
 """
@@ -61,6 +62,8 @@ class ControlThread(threading.Thread):
                 if now >= next_trim:
                     next_trim = now + self.settings.trim_interval_s
                     self.consumer.trim()
+                    for name in self.consumer.remove_stale_consumers(self.settings.stale_consumer_ms):
+                        log.info("removed stale consumer %s (no pending entries, idle)", name)
                 if now >= next_stats:
                     next_stats = now + 1.0
                     snap = state.stats_snapshot

@@ -8,7 +8,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import threading
+from http.server import ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import MetricsHandler
 
 
 class WorkerMetrics:
@@ -47,5 +51,22 @@ class WorkerMetrics:
             "num_completed": num_completed, "held": held, "updated_at": round(time.time(), 3),
         }
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "127.0.0.1") -> ThreadingHTTPServer:
+        """Prometheus text on ``http://addr:port/metrics`` only (404 elsewhere), from a daemon thread."""
+        registry = self.registry
+
+        class Handler(MetricsHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?", 1)[0] != "/metrics":
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                super().do_GET()
+
+            def log_message(self, *args) -> None:  # scrapes are not news
+                pass
+
+        Handler.registry = registry
+        server = ThreadingHTTPServer((addr, port), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="pagestream-metrics", daemon=True).start()
+        return server

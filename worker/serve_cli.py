@@ -19,8 +19,10 @@ from typing import Optional
 import typer
 
 from pagestream.producer.redaction import install_log_redaction, redact_url
+from pagestream.producer.settings import REDIS_URL_ENV
+from pagestream.worker.cli_common import resolve_url
 
-RedisUrl = typer.Option(None, "--redis-url", envvar="REDIS_URL", help="Redis URL (serve: default an embedded one)")
+RedisUrl = typer.Option(None, "--redis-url", envvar=list(REDIS_URL_ENV), show_envvar=True, help="Redis URL (gateway: redis://localhost:6379/0; serve: an embedded one)")
 Host = typer.Option("127.0.0.1", "--host")
 Port = typer.Option(8000, "--port")
 ApiKeys = typer.Option(None, "--api-keys", envvar="PAGESTREAM_GATEWAY_API_KEYS", help="comma-separated Bearer keys (default: none needed)")
@@ -47,7 +49,7 @@ def gateway(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
-    settings = _settings(redis_url or os.environ.get("REDIS_URL") or "redis://localhost:6379/0", host, port, api_keys, max_queue_depth)
+    settings = _settings(resolve_url(redis_url), host, port, api_keys, max_queue_depth)
     print(f"gateway on http://{settings.host}:{settings.port}/v1 (redis {redact_url(settings.redis_url)})", flush=True)
     run(settings)
 

@@ -6,11 +6,12 @@ import socket
 
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pagestream.producer import keys
 from pagestream.producer.limits import job_limits
+from pagestream.producer.settings import DEFAULT_REDIS_URL, REDIS_URL_ENV, S3_ENDPOINT_ENV
 
 
 def default_consumer_name() -> str:
@@ -23,7 +24,7 @@ class WorkerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PAGESTREAM_", extra="ignore", populate_by_name=True)
 
-    redis_url: str = Field("redis://localhost:6379/0", validation_alias="REDIS_URL")
+    redis_url: str = Field(DEFAULT_REDIS_URL, validation_alias=AliasChoices(*REDIS_URL_ENV))
     model: str | None = None  # HF dir, or "fake" for the instant fake engine (tests, benchmarks)
     # Routing by model: with a name, the worker announces it and reads only that model's lanes
     # (worker.routing); without one it reads the shared lanes (jobs that name no model).
@@ -54,6 +55,8 @@ class WorkerSettings(BaseSettings):
     busy_pull_interval_ms: float = Field(10.0, ge=0)
     publish_interval_ms: float = Field(20.0, ge=0)  # coalesce each job's deltas this long
     trim_interval_s: float = Field(10.0, gt=0)
+    # a consumer holding no entries and idle this long is removed from the group (stats stay readable)
+    stale_consumer_ms: int = Field(600_000, ge=1000)
     reclaim_interval_s: float | None = None  # default: lease_ms / 4
     dead_letter_maxlen: int = 100_000
 
@@ -64,7 +67,7 @@ class WorkerSettings(BaseSettings):
     dead_letter_payload_bytes: int = Field(64 * 1024, ge=0)  # the DLQ keeps this much of each field
 
     # bulk sink (worker.bulk_sink)
-    s3_endpoint_url: str | None = Field(None, validation_alias="S3_ENDPOINT_URL")
+    s3_endpoint_url: str | None = Field(None, validation_alias=AliasChoices(*S3_ENDPOINT_ENV))
     bulk_flush_lines: int = Field(256, ge=1)
     bulk_flush_interval_s: float = Field(5.0, gt=0)
     # Backpressure: while this many bulk results wait for a durable part (default 4 x

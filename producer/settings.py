@@ -1,0 +1,34 @@
+"""Settings every pagestream process shares, from the environment (pydantic-settings).
+
+One prefix for everything: ``PAGESTREAM_<FIELD>``. The names other tools already use are
+honoured as aliases: ``REDIS_URL`` for ``PAGESTREAM_REDIS_URL``, and the S3/AWS ones
+(``S3_ENDPOINT_URL``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, ``AWS_REGION``,
+``AWS_DEFAULT_REGION``); the ``PAGESTREAM_`` name wins when both are set. Credentials are
+never settings of ours: boto3 finds them itself (env, profile, instance role).
+"""
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "PAGESTREAM_"
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+#: env names of each aliased setting, first one wins (what ``--help`` shows)
+REDIS_URL_ENV = ("PAGESTREAM_REDIS_URL", "REDIS_URL")
+S3_ENDPOINT_ENV = ("PAGESTREAM_S3_ENDPOINT_URL", "S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+S3_REGION_ENV = ("PAGESTREAM_S3_REGION", "AWS_REGION", "AWS_DEFAULT_REGION")
+S3_ADDRESSING_ENV = ("PAGESTREAM_S3_ADDRESSING_STYLE",)
+
+
+class ClientSettings(BaseSettings):
+    """Where Redis is, for every command and client."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", populate_by_name=True)
+
+    redis_url: str = Field(DEFAULT_REDIS_URL, validation_alias=AliasChoices(*REDIS_URL_ENV))
+
+
+def redis_url(explicit: str | None = None) -> str:
+    """``explicit`` (a ``--redis-url``), else the environment, else the default."""
+    return explicit or ClientSettings().redis_url
