@@ -26,7 +26,6 @@ import redis.asyncio as aioredis
 from pagestream.producer.client_core import (
     SCRIPTS,
     TRANSIENT_ERRORS,
-    Call,
     Emit,
     Failed,
     JobNotFound,

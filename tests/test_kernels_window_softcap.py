@@ -14,7 +14,7 @@ import torch
 
 from pagestream import kernels
 from pagestream.kernels import reference as R
-from test_kernels import DEV, DTYPES, INTERPRET, assert_close, make_paged
+from test_kernels import DTYPES, INTERPRET, assert_close, make_paged
 
 
 def poison_outside_window(kc, vc, bt, cu, ctx, window):

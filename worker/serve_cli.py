@@ -8,7 +8,6 @@ engine's step never share a GIL.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import sys
