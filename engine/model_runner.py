@@ -40,6 +40,13 @@ def _packed(dtype: torch.dtype, pin: bool, *parts: list[int] | int) -> tuple[tor
     return buf, views
 
 
+def _spread(num_tokens: int, num_seqs: int) -> list[int]:
+    """``num_tokens`` query tokens over ``num_seqs`` sequences, as evenly as possible (each >= 1
+    when num_tokens >= num_seqs): the layout of the throw-away steps at start-up."""
+    q_len, extra = divmod(num_tokens, num_seqs)
+    return [q_len + 1] * extra + [q_len] * (num_seqs - extra)
+
+
 def _same_views(dst: torch.Tensor, src: torch.Tensor, *views: torch.Tensor) -> list[torch.Tensor]:
     """The views of ``src`` carried over to ``dst``, a copy of it (same offsets and sizes)."""
     base = src.data_ptr()
@@ -241,8 +248,7 @@ class ModelRunner:
     def _capture(self, num_tokens: int, num_seqs: int, decode_only: bool, warm: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Capture-time layout (the graph reads whatever the buffers hold at replay): decode
         # rows of one token each; a mixed step's tokens spread over its sequences.
-        q_len, extra = divmod(num_tokens, num_seqs)
-        lens = [q_len + 1] * extra + [q_len] * (num_seqs - extra)
+        lens = _spread(num_tokens, num_seqs)
         self.g_context_lens[:num_seqs].copy_(torch.tensor(lens, dtype=torch.int32))
         self.g_cu_seqlens[: num_seqs + 1].copy_(torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32))
         meta = AttentionMetadata(
@@ -397,14 +403,10 @@ class ModelRunner:
         dev, bs = self.device, self.block_size
         # no sequence longer than the model allows (positions index the rope cache / learned table)
         num_seqs = max(num_seqs, -(-num_tokens // (self.config.max_model_len - 1)))
-        q_len = -(-num_tokens // num_seqs)
-        q_lens = [q_len] * (num_seqs - 1) + [num_tokens - q_len * (num_seqs - 1)]
-        if q_lens[-1] < 1:
-            return
+        q_lens = _spread(num_tokens, num_seqs)
+        q_len = q_lens[0]
         width = -(-q_len // bs)
-        cu = [0]
-        for n in q_lens:
-            cu.append(cu[-1] + n)
+        cu = [0, *itertools.accumulate(q_lens)]
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
             block_tables=(torch.arange(num_seqs * width, device=dev, dtype=torch.int32) % self.num_blocks).view(num_seqs, width),
@@ -420,9 +422,10 @@ class ModelRunner:
         self.model.compute_logits(hidden.index_select(0, rows)).float().argmax(dim=-1)
 
     def warm_up(self) -> None:
-        """Compile and tune, at start-up, what a step can meet: mixed prefill/decode
-        batches of several sizes (Triton specialises on sizes divisible by 16 or not),
-        so the first real call runs at the speed of the tenth."""
+        """Run, at start-up, the eager forms of what a step can meet (steps no graph
+        covers, or all of them with ``enforce_eager``): prefill, mixed and decode batches
+        of several sizes, so kernels are compiled and cuBLAS set up before the first
+        request and the first call runs at the speed of the tenth."""
         if self.device.type != "cuda":
             return
         cfg = self.config

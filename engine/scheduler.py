@@ -4,7 +4,8 @@ Every step hands each chosen sequence a number of tokens so that its computed
 tokens catch up with its known tokens: a prompt (possibly in chunks), the
 uncached suffix after a prefix-cache hit, or one decode token are the same
 thing. Tokens sampled by a step still on the GPU count as known
-(``num_pending_tokens``): the next step is planned before they reach the host. Running sequences are served first, in priority order; waiting ones are
+(``num_pending_tokens``): the next step is planned before they reach the host.
+Running sequences are served first, in priority order; waiting ones are
 admitted while the budget, ``max_num_seqs`` and the KV pool allow. When the
 pool runs dry the lowest-priority running sequence is preempted: its blocks are
 freed and it recomputes later (the prefix cache usually gives most of it back).
