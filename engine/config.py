@@ -63,7 +63,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.85
     kv_cache_bytes: int = 512 * 2**20
-    max_num_seqs: int = 256
+    # None: 1024 on a GPU with >= 70 GiB (as vLLM does: a big card runs a whole queue of
+    # short requests in one batch), else 256
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -97,7 +99,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         model_max = int(self.hf_config.get("max_position_embeddings", 2048))
         if self.max_model_len is None:
