@@ -41,7 +41,9 @@ def _root(
 
 
 def build_engine(settings) -> object:
-    """The engine a worker drives: ``--model fake[:step_ms]`` is the instant fake (tests, benchmarks)."""
+    """The engine a worker drives: ``--model fake[:step_ms]`` is the instant fake (tests, benchmarks).
+
+    Resolves ``settings.max_num_seqs`` to what the engine took, so the worker reads as many jobs."""
     model = settings.model
     if not model:
         raise typer.BadParameter("--model is required (an HF model directory, or 'fake')")
@@ -49,19 +51,31 @@ def build_engine(settings) -> object:
         from pagestream.worker.fake_engine import FakeConfig, FakeEngine
 
         delay_ms = float(model.split(":", 1)[1]) if ":" in model else 0.0
+        settings.max_num_seqs = settings.max_num_seqs or FakeConfig.max_num_seqs
         return FakeEngine(FakeConfig(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len or 512, step_delay_s=delay_ms / 1000))
+    import torch
+
     from pagestream.engine import EngineConfig, LLMEngine
 
+    on_gpu = settings.device.startswith("cuda") or (settings.device == "auto" and torch.cuda.is_available())
     extra = {"max_num_batched_tokens": settings.max_num_batched_tokens} if settings.max_num_batched_tokens else {}
     try:
         config = EngineConfig(
-            model=model, device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_num_seqs,
+            model=model, device=settings.device, dtype=settings.dtype,
+            max_num_seqs=settings.max_num_seqs or (None if on_gpu else 8),
             max_model_len=settings.max_model_len, seed=settings.seed, block_size=settings.block_size,
             gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager, **extra,
         )
+        if settings.engine_process if settings.engine_process is not None else on_gpu:
+            from pagestream.engine.core_process import EngineProcess
+
+            engine = EngineProcess(config)
+        else:
+            engine = LLMEngine(config)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    return LLMEngine(config)
+    settings.max_num_seqs = engine.config.max_num_seqs
+    return engine
 
 
 @app.command()
@@ -77,7 +91,13 @@ def worker(
         None, "--max-num-batched-tokens", help="token budget of one step (default: the engine's, 8192)"),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="tokens per KV block (default 16)"),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="no CUDA graphs for decode steps"),
-    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
+    engine_process: Optional[bool] = typer.Option(
+        None, "--engine-process/--no-engine-process",
+        help="run the engine core in its own process, so queue work never holds the GIL its step needs "
+             "[default: on with CUDA, off on the CPU]"),
+    max_num_seqs: Optional[int] = typer.Option(
+        None, "--max-num-seqs", help="sequences the engine runs at once [default: 1024 on a >= 70 GiB GPU, 256 on "
+                                     "a smaller one, 8 on the CPU]"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     consumer: Optional[str] = typer.Option(None, "--consumer", help="consumer name (default host-pid)"),
     lanes: Optional[str] = typer.Option(None, "--lanes", help="comma-separated subset of high,normal,low"),
@@ -95,6 +115,7 @@ def worker(
     """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
     import redis
 
+    from pagestream.engine.outputs import EngineDeadError
     from pagestream.worker.settings import WorkerSettings
     from pagestream.worker.worker import Worker
 
@@ -106,6 +127,7 @@ def worker(
         "max_deliveries": max_deliveries, "drain_timeout_s": drain_timeout, "prefetch": prefetch,
         "publish_interval_ms": publish_interval_ms, "dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization,
         "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size, "enforce_eager": enforce_eager or None,
+        "engine_process": engine_process,
     }
     settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
     engine = build_engine(settings)
@@ -118,9 +140,17 @@ def worker(
 
     announcer = start_announcer(client, settings, engine)
     print(f"worker {settings.consumer} ready", flush=True)
-    w.run(burst=burst)
-    if announcer is not None:
-        announcer.stop()
+    try:
+        w.run(burst=burst)
+    except EngineDeadError as exc:  # its jobs were handed back for other workers; say why in one line
+        logging.getLogger("pagestream").error("worker %s stopped: %s", settings.consumer, exc)
+        raise typer.Exit(1) from None
+    finally:
+        if announcer is not None:
+            announcer.stop()
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
     print(f"worker {settings.consumer} stopped after {w.num_steps} steps, {w.num_completed} jobs", flush=True)
 
 
