@@ -494,7 +494,7 @@ def main():
     ap.add_argument("--output-kind", default="final", choices=("final", "delta"),
                     help="profile workloads: whole outputs (LLM.generate) or per-step deltas (the worker)")
     ap.add_argument("--lognormal-max-num-seqs", type=int, default=None,
-                    help="1b-lognormal: sequences at once (default: the engine's, 1024 on an H200)")
+                    help="1b-lognormal: sequences at once (default: the engine's, 256)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     device = torch.device(args.device)

@@ -63,9 +63,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.85
     kv_cache_bytes: int = 512 * 2**20
-    # None: 1024 on a GPU with >= 70 GiB (as vLLM does: a big card runs a whole queue of
-    # short requests in one batch), else 256
-    max_num_seqs: int | None = None
+    # vLLM takes 1024 on cards of >= 70 GiB; here 1,000 lognormal requests on the H200 ran 0.32 of
+    # the floor at 1024 against 0.38 at 256 (BENCHMARKS.md; not profiled: steps past 512 rows
+    # run without CUDA graphs, and the host's share of a step grows with the batch)
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -99,7 +100,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+        if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         model_max = int(self.hf_config.get("max_position_embeddings", 2048))
         if self.max_model_len is None:

@@ -101,19 +101,10 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
-def default_max_num_seqs(device: torch.device) -> int:
-    """``max_num_seqs`` when not given: 1024 on a card of >= 70 GiB (H100/H200 class), else 256."""
-    if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= 70 * 2**30:
-        return 1024
-    return 256
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        if config.max_num_seqs is None:
-            config.max_num_seqs = default_max_num_seqs(self.device)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)

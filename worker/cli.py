@@ -62,7 +62,7 @@ def build_engine(settings) -> object:
     try:
         config = EngineConfig(
             model=model, device=settings.device, dtype=settings.dtype,
-            max_num_seqs=settings.max_num_seqs or (None if on_gpu else 8),
+            max_num_seqs=settings.max_num_seqs or (256 if on_gpu else 8),
             max_model_len=settings.max_model_len, seed=settings.seed, block_size=settings.block_size,
             gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager, **extra,
         )
@@ -96,8 +96,7 @@ def worker(
         help="run the engine core in its own process, so queue work never holds the GIL its step needs "
              "[default: on with CUDA, off on the CPU]"),
     max_num_seqs: Optional[int] = typer.Option(
-        None, "--max-num-seqs", help="sequences the engine runs at once [default: 1024 on a >= 70 GiB GPU, 256 on "
-                                     "a smaller one, 8 on the CPU]"),
+        None, "--max-num-seqs", help="sequences the engine runs at once [default: 256 on a GPU, 8 on the CPU]"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     consumer: Optional[str] = typer.Option(None, "--consumer", help="consumer name (default host-pid)"),
     lanes: Optional[str] = typer.Option(None, "--lanes", help="comma-separated subset of high,normal,low"),

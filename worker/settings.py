@@ -35,8 +35,8 @@ class WorkerSettings(BaseSettings):
     lanes: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(keys.LANES))  # env: high,normal
 
     # engine limits (EngineConfig's meaning; None: the engine's default)
-    # None: the engine's default on a GPU (1024 on a >= 70 GiB card, else 256); 8 on the CPU,
-    # where a step over many sequences is slow and the queue is better shared among workers
+    # None: 256 on a GPU; 8 on the CPU, where a step over many sequences is slow and the queue
+    # is better shared among workers
     max_num_seqs: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     seed: int = 0
