@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagestream.engine.layers.ops import kernel_ops
+
 _ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
@@ -35,7 +37,10 @@ class GatedMLP(nn.Module):
         self.packed_shard_sizes = {"gate_up_proj": [intermediate, intermediate]}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [n, intermediate] each
+        gate_up = self.gate_up_proj(x)  # [n, 2 * intermediate]
+        if self.act is F.silu:  # one fused pass (Triton on CUDA), as torch would round it
+            return self.down_proj(kernel_ops(x.device).silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [n, intermediate] each
         return self.down_proj(self.act(gate) * up)
 
 
