@@ -1,9 +1,11 @@
 """SiLU-and-mul of a packed gate/up projection in one pass: ``silu(x[:, :d]) * x[:, d:]``.
 
 The gated MLP's two elementwise kernels (silu, then mul) read and write the [num_tokens,
-intermediate] activations twice; fused, once. The rounding is torch's: silu in fp32 rounded
-to the activation dtype, then the product in fp32 rounded again, so the result equals
-``F.silu(gate) * up`` element for element (HF's LlamaMLP).
+intermediate] activations twice; fused, once. The rounding steps are torch's (HF's LlamaMLP):
+silu in fp32 rounded to the activation dtype, then the product in fp32 rounded again. It is not
+bit-identical to ``F.silu(gate) * up`` on the GPU (the H200 check found elements off by a
+rounding step: Triton's fp32 exp and division are not torch's), so the test allows 4 ulp; the
+engine's fp32 greedy tokens still equal HF's (BENCHMARKS.md, "Engine throughput").
 """
 from __future__ import annotations
 

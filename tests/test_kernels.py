@@ -233,8 +233,9 @@ def test_silu_and_mul_equals_torch_elementwise(dtype, d):
     out = torch.full((7, d), float("nan"), dtype=dtype, device=DEV)
     kernels.silu_and_mul(x, out=out)
     assert_close(out, R.silu_and_mul(x), dtype)
-    if not INTERPRET:  # torch's own rounding, element for element (HF's MLP)
-        assert torch.equal(out, torch.nn.functional.silu(x[:, :d]) * x[:, d:])
+    # torch's two elementwise ops (HF's MLP), to within a few ulp (exp and division differ)
+    exact = torch.nn.functional.silu(x[:, :d]) * x[:, d:]
+    torch.testing.assert_close(out, exact, rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).tiny)
     with pytest.raises(ValueError, match="even"):
         kernels.silu_and_mul(x[:, :-1])
 
