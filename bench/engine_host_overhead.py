@@ -55,12 +55,13 @@ def main() -> None:
     if args.core:
         import pickle
 
-        from pagestream.engine.core_process import _compact
+        from pagestream.engine.core_process import _core_engine_class
 
-        engine.detokenize = False  # as LLMEngine(config, detokenize=False) in the core process
+        # the worker's engine core: token ids only (its caller detokenizes), outputs pickled for the pipe
+        engine.__class__ = _core_engine_class()
+        engine.detokenize = False
         plain_step = engine.step
-        # what the core adds to each step: the outputs made compact and pickled for the pipe
-        engine.step = lambda: pickle.dumps(("out", [_compact(o) for o in plain_step()], None), protocol=pickle.HIGHEST_PROTOCOL)
+        engine.step = lambda: pickle.dumps(("out", plain_step(), None), protocol=pickle.HIGHEST_PROTOCOL)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True, output_kind=args.output_kind)
     for i in range(args.num_seqs):

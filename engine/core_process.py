@@ -37,6 +37,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pagestream.engine.config import EngineConfig
 from pagestream.engine.detokenizer import IncrementalDetokenizer
@@ -52,11 +53,39 @@ _START_TIMEOUT_S = 1800.0  # loading a large model and capturing graphs can take
 
 # ---- the core's side ---------------------------------------------------------------------
 
-def _compact(out: RequestOutput) -> tuple:
-    # prompt and prompt ids stay on the caller's side: only what changed crosses the pipe
-    return (int(out.request_id), out.finished, out.error, out.metrics or None,
-            [(c.index, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
-             for c in out.outputs])
+class _Compact(NamedTuple):
+    """One request's output as it crosses the pipe: only what changed, no objects to build."""
+
+    rid: int
+    finished: bool
+    error: str | None
+    metrics: dict | None
+    comps: list  # per sample: (index, new token ids, cumulative logprob, logprobs, finish_reason, stop_reason)
+
+
+def _core_engine_class():
+    from pagestream.engine.llm_engine import LLMEngine
+
+    class CoreEngine(LLMEngine):
+        """``LLMEngine`` whose outputs are the pipe's tuples (token ids only: the caller detokenizes)."""
+
+        def _make_output(self, req) -> _Compact:
+            comps = []
+            for i, seq in enumerate(req.seqs):
+                start = req.reported[i]
+                new_ids = seq.token_ids[seq.num_prompt_tokens + start:]
+                req.reported[i] = start + len(new_ids)
+                lps, req.pending_logprobs[i] = req.pending_logprobs[i], []
+                want = seq.params.logprobs is not None
+                comps.append((i, new_ids, req.cumulative_logprob[i] if want else None, lps if want else None,
+                              seq.finish_reason, seq.stop_reason))
+            finished = req.finished
+            metrics = None
+            if finished and req.first_token_time is not None:
+                metrics = {"arrival_time": req.arrival_time, "time_to_first_token": req.first_token_time - req.arrival_time}
+            return _Compact(int(req.request_id), finished, None, metrics, comps)
+
+    return CoreEngine
 
 
 def _core_main(conn, config: EngineConfig, log_level: int) -> None:
@@ -67,9 +96,7 @@ def _core_main(conn, config: EngineConfig, log_level: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine-core]: %(message)s")
     try:
-        from pagestream.engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(config, detokenize=False)  # text and stop strings are the caller's
+        engine = _core_engine_class()(config, detokenize=False)  # text and stop strings are the caller's
     except BaseException as exc:  # the caller raises it: a bad model, OOM, no GPU
         conn.send(("failed", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
@@ -128,7 +155,7 @@ def _serve(engine, conn, inbox: queue.SimpleQueue) -> None:
         if now - last_stats >= _STATS_EVERY_S or not engine.has_unfinished_requests():
             stats, last_stats = engine.stats(), now
         if outs or stats is not None:
-            conn.send(("out", [_compact(o) for o in outs], stats))
+            conn.send(("out", outs, stats))
 
 
 # ---- the caller's side ---------------------------------------------------------------------
