@@ -328,8 +328,11 @@ def _coalesce(items: list[object]) -> _Batch:
                 cur.token_ids.extend(it.token_ids)
                 cur.text += it.text
                 cur.finish_reason = it.finish_reason
-                if it.logprobs is not None:
-                    cur.logprobs = (cur.logprobs or []) + it.logprobs
+                if it.logprobs is not None:  # cur's list is its own (copied below): extend in place
+                    if cur.logprobs is None:
+                        cur.logprobs = list(it.logprobs)
+                    else:
+                        cur.logprobs.extend(it.logprobs)
             else:
                 cur = Delta(it.job_id, it.sample, it.index, list(it.token_ids), it.text, it.finish_reason,
                             None if it.logprobs is None else list(it.logprobs))
