@@ -179,6 +179,24 @@ def test_logprobs_ride_the_token_events_and_the_result(r, redis_url, producer):
     assert raw and all(set(ev) <= {"s", "i", "t", "x", "f"} for ev in raw)
 
 
+def test_token_texts_keep_the_top_k_and_write_only_finite_logprobs():
+    from pagestream.worker.logprobs import TokenTexts
+
+    class Tok:
+        calls = 0
+
+        def decode(self, ids):
+            Tok.calls += 1
+            return "".join(chr(96 + i) for i in ids)
+
+    tt = TokenTexts(Tok())
+    # the engine's dict: top-2 (ids 1, 2) then the sampled token 3 outside them; -inf and NaN cannot cross JSON
+    out = tt.encode([3, 1], [{1: -0.5, 2: -1.0, 3: float("-inf")}, {1: float("nan"), 2: -2.0}], k=2)
+    assert out == [[3, "c", -9999.0, [[1, "a", -0.5], [2, "b", -1.0]]], [1, "a", -9999.0, [[2, "b", -2.0], [1, "a", -9999.0]]]]
+    assert Tok.calls == 3  # each id decoded once
+    assert TokenTexts().encode([7], [{7: -0.1}], k=0) == [[7, "token_id:7", -0.1, []]]  # a model without a tokenizer
+
+
 def test_cancel_running_job_stops_within_one_step_and_frees_blocks(r, redis_url, producer, tiny_llama_dir):
     from pagestream.engine import EngineConfig, LLMEngine
 
