@@ -115,6 +115,15 @@ class SamplingOptions(BaseModel):
     def _stop_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_count(cls, v: Any) -> Any:
+        # OpenAI's chat habit (logprobs=True) would silently mean 1 alternative: say what the field is
+        if isinstance(v, bool):
+            raise ValueError(f"logprobs is the number of alternatives per token (0-{MAX_LOGPROBS}), not true/false; "
+                             "logprobs=0 returns the sampled token's logprob only")
+        return v
+
     @field_validator("n")
     @classmethod
     def _n_limit(cls, v: int) -> int:

@@ -177,6 +177,10 @@ def test_logprobs_ride_the_token_events_and_the_result(r, redis_url, producer):
     assert all(e.logprobs is None for e in producer.stream(plain, timeout=2))
     raw = [json.loads(f[b"ev"]) for _, f in r.xrange(keys.out_stream(plain)) if b"ev" in f]
     assert raw and all(set(ev) <= {"s", "i", "t", "x", "f"} for ev in raw)
+    # the field is a count: chat's habit (True) and out-of-range counts are refused at submit, naming it
+    for bad, why in ((True, "not true/false"), (21, "less than or equal to 20"), (-1, "greater than or equal to 0")):
+        with pytest.raises(ValueError, match=why):
+            producer.submit(prompt="x", logprobs=bad)
 
 
 def test_token_texts_keep_the_top_k_and_write_only_finite_logprobs():
