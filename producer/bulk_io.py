@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pagestream.producer.gateway_openai import ChatMessageIn, GatewayError, chat_logprobs_k, completion_body
 from pagestream.producer.limits import job_limits
-from pagestream.producer.schema import JobResult, format_validation_error
+from pagestream.producer.schema import MAX_LOGPROBS, JobResult, format_validation_error
 from pagestream.producer.untrusted import UntrustedJSONError, loads_untrusted
 
 COMPLETIONS_URL = "/v1/completions"
@@ -82,7 +82,7 @@ class RequestBody(BaseModel):
         if self.top_logprobs is not None:
             raise ValueError(f"top_logprobs is a chat field; {COMPLETIONS_URL} takes logprobs: <number of alternatives>")
         if isinstance(self.logprobs, bool):
-            raise ValueError(f"for {COMPLETIONS_URL}, logprobs is the number of alternatives per token (0-20), not true/false")
+            raise ValueError(f"for {COMPLETIONS_URL}, logprobs is the number of alternatives per token (0-{MAX_LOGPROBS}), not true/false")
         return self.logprobs
 
     @field_validator("prompt")

@@ -60,7 +60,8 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = 16  # OpenAI's default for /v1/completions
-    logprobs: int | None = None
+    # a count; ``true`` is kept as sent so the job schema refuses it with a 400 that says so, not read as 1
+    logprobs: bool | int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

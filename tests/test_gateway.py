@@ -149,6 +149,7 @@ def test_bad_requests_get_openai_errors_and_never_reach_a_worker(stack):
         (openai.BadRequestError, lambda: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                                                    top_logprobs=2)),
         (openai.UnprocessableEntityError, lambda: c.completions.create(model=MODEL, prompt="x", logprobs="many")),
+        (openai.BadRequestError, lambda: c.completions.create(model=MODEL, prompt="x", logprobs=True)),  # chat's spelling
         (openai.NotFoundError, lambda: c.completions.create(model="no-such-model", prompt="x")),
         (openai.AuthenticationError, lambda: openai.OpenAI(base_url=stack["gw"].base_url, api_key="wrong", max_retries=0)
          .completions.create(model=MODEL, prompt="x")),
