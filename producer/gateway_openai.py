@@ -196,8 +196,7 @@ def choice_logprobs(chat: bool, lps: list[TokenLogprob] | None, text_offset: int
 
 def completion_body(chat: bool, rid: str, model: str, created: int, result: JobResult) -> dict:
     # a result built by hand may carry only the top-level fields (sample 0)
-    samples = result.outputs or [SampleResult(index=0, text=result.text, token_ids=result.token_ids,
-                                              finish_reason=result.finish_reason, logprobs=result.logprobs)]
+    samples = result.outputs or [SampleResult(index=0, text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason)]
     choices = []
     for s in samples:
         choice: dict[str, Any] = {"index": s.index, "logprobs": choice_logprobs(chat, s.logprobs),

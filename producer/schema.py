@@ -407,7 +407,6 @@ class JobResult(BaseModel):
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     outputs: list[SampleResult] = Field(default_factory=list)
     prompt_tokens: int = 0
@@ -424,6 +423,12 @@ class JobResult(BaseModel):
     @property
     def ok(self) -> bool:
         return self.status == JobStatus.COMPLETED
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """Sample 0's logprobs (``outputs[i].logprobs`` per sample). Not a second copy like ``text``:
+        with 20 alternatives they are ~0.7 KB per token, the bulk of a result."""
+        return self.outputs[0].logprobs if self.outputs else None
 
 
 class DeadLetter(BaseModel):

@@ -37,7 +37,7 @@ def test_what_it_returns_always_serializes_back():
 
 
 def test_token_events_carry_logprobs_compactly_and_are_unchanged_without_them():
-    from pagestream.producer.schema import JobResult, TokenLogprob
+    from pagestream.producer.schema import JobResult, SampleResult, TokenLogprob
     from pagestream.producer.wire import decode_out_entry, token_event_fields
 
     # the layout every subscriber of an earlier release reads: no new key unless logprobs were asked for
@@ -48,8 +48,10 @@ def test_token_events_carry_logprobs_compactly_and_are_unchanged_without_them():
     ev = decode_out_entry("j", {k.encode(): v.encode() for k, v in fields.items()})
     assert ev.logprobs[0].top_logprobs[1].token == "ü" and ev.logprobs[1].logprob == -0.125
     assert [lp.model_dump() for lp in ev.logprobs] == lps  # the typed model writes the same compact form back
-    res = JobResult.model_validate_json(JobResult(job_id="j", status="completed", logprobs=ev.logprobs).model_dump_json())
-    assert res.logprobs == ev.logprobs
+    done = JobResult(job_id="j", status="completed", outputs=[SampleResult(index=0, text="ab", token_ids=[5, 6], logprobs=ev.logprobs)])
+    res = JobResult.model_validate_json(done.model_dump_json())
+    assert res.logprobs == res.outputs[0].logprobs == ev.logprobs
+    assert done.model_dump_json().count('"ü"') == 1  # sample 0's logprobs are stored once, not again at the top
     # dicts work too (a caller building them by hand); a short list says what it expected
     assert TokenLogprob.model_validate({"token_id": 1, "token": "x", "logprob": -1.0}).top_logprobs == []
     with pytest.raises(ValueError, match="expected \\[token_id, token, logprob, top_logprobs\\]"):

@@ -163,7 +163,7 @@ def test_logprobs_ride_the_token_events_and_the_result(r, redis_url, producer):
     events = list(producer.stream(with_lp, timeout=2))
     streamed = [lp for e in events for lp in e.logprobs]
     assert all(len(e.logprobs) == len(e.token_ids) for e in events)
-    assert [lp.model_dump() for lp in streamed] == [lp.model_dump() for lp in res.logprobs] == res.model_dump()["logprobs"]
+    assert [lp.model_dump() for lp in streamed] == [lp.model_dump() for lp in res.logprobs] == res.model_dump()["outputs"][0]["logprobs"]
     assert [lp.token_id for lp in res.logprobs] == res.token_ids
     for lp, engine_lp in zip(res.logprobs, want, strict=True):
         assert lp.token == f"<{lp.token_id}>" and lp.logprob == engine_lp[lp.token_id]

@@ -81,7 +81,6 @@ def job_result(a: ActiveJob, status: JobStatus, error: str | None, worker: str) 
         text=first.text if first else "",
         token_ids=first.token_ids if first else [],
         finish_reason=first.finish_reason if first else None,
-        logprobs=(first.logprobs if first else []) if wants_logprobs else None,
         error=error,
         outputs=samples,
         prompt_tokens=a.prompt_tokens,
