@@ -133,6 +133,7 @@ def worker(
     client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
     w = Worker(client, engine, settings)
     if metrics_port:
+        w.metrics.watch_engine(engine)
         w.metrics.serve(metrics_port, metrics_host)
     logging.getLogger("pagestream").info("worker %s ready on %s (lanes %s)", settings.consumer, redact_url(settings.redis_url), settings.lanes)
     from pagestream.worker.routing import start_announcer

@@ -48,6 +48,7 @@ class Worker:
         self.bulk = BulkJobs(client, settings, sink)
         self._active: dict[str, ActiveJob] = {}  # job_id -> job in the engine
         self.results = Results(client, settings, self.consumer, self.bulk, self.state, self.metrics)
+        self.results.token_texts.tokenizer = getattr(engine, "tokenizer", None)  # logprobs name their tokens
         self.intake = Intake(client, engine, settings, self.consumer, self.state, self.results, self.bulk, self.metrics, self._active, self.publisher.put)
         self._stop_requested = 0  # 1 warm, 2 cold
         self._control: ControlThread | None = None
