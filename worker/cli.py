@@ -57,7 +57,8 @@ def build_engine(settings) -> object:
         config = EngineConfig(
             model=model, device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_num_seqs,
             max_model_len=settings.max_model_len, seed=settings.seed, block_size=settings.block_size,
-            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager, **extra,
+            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager,
+            tensor_parallel_size=settings.tensor_parallel_size, **extra,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -77,6 +78,8 @@ def worker(
         None, "--max-num-batched-tokens", help="token budget of one step (default: the engine's, 8192)"),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="tokens per KV block (default 16)"),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="no CUDA graphs for decode steps"),
+    tensor_parallel_size: Optional[int] = typer.Option(
+        None, "--tensor-parallel-size", help="GPUs one engine spans, one process each (default 1)"),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     consumer: Optional[str] = typer.Option(None, "--consumer", help="consumer name (default host-pid)"),
@@ -106,6 +109,7 @@ def worker(
         "max_deliveries": max_deliveries, "drain_timeout_s": drain_timeout, "prefetch": prefetch,
         "publish_interval_ms": publish_interval_ms, "dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization,
         "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size, "enforce_eager": enforce_eager or None,
+        "tensor_parallel_size": tensor_parallel_size,
     }
     settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
     engine = build_engine(settings)

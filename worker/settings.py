@@ -43,6 +43,7 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     block_size: int = Field(16, ge=1)
     enforce_eager: bool = False  # no CUDA graphs for decode
+    tensor_parallel_size: int = Field(1, ge=1)  # GPUs one engine spans (one process each)
 
     # queue behaviour
     prefetch: int = Field(2, ge=0)  # entries read beyond what the engine can admit now
