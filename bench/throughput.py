@@ -392,9 +392,10 @@ def host_phases(engine, n_steps) -> dict:
     return {k: round(v / n_steps * 1e3, 3) for k, v in acc.items()}
 
 
-def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | None) -> dict:
+def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | None, worker_args=()) -> dict:
     """The fixed workload submitted to Redis and run by a `pagestream worker` process on this GPU;
-    every job's stream is read back and checked complete and in order against its result."""
+    every job's stream is read back and checked complete and in order against its result.
+    ``worker_args``: more flags for the worker (``--tensor-parallel-size 2``)."""
     import shutil
     import socket
     import subprocess
@@ -424,6 +425,7 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
         cmd += ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.85"]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    cmd += list(worker_args)
     worker = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT)
     res: dict = {"workload": f"{shape}: {n} x {in_len} -> {out_len}, submitted to Redis, one `pagestream worker`"}
     try:
