@@ -216,17 +216,20 @@ class TensorParallelDriver:
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """A collective failing because a peer went away (gloo raises at once) becomes EngineDeadError."""
+        """A collective failing because a peer went away (gloo raises at once) becomes EngineDeadError;
+        any other error (out of memory, a bad input) stays what it is."""
         try:
             yield
         except EngineDeadError:
             raise
         except RuntimeError as exc:
-            deadline = time.monotonic() + 5  # the peer's process may still be exiting
+            # A peer's death reaches this rank as a collective's error, maybe before its exit code
+            # does: give it a moment to show (an error path, so the wait costs nothing in a step).
+            deadline = time.monotonic() + (5 if isinstance(exc, dist.DistError) else 2)
             while time.monotonic() < deadline and all(p.is_alive() for p in self.procs):
                 time.sleep(0.05)
             self.check()
-            raise EngineDeadError(f"a tensor-parallel collective failed: {exc}") from exc
+            raise
 
     def publish(self, inp: "StepInputs") -> None:
         """Send the step to every other rank: its header down the pipes, its buffers by broadcast."""
@@ -262,8 +265,20 @@ class TensorParallelDriver:
         for conn in self.conns:
             conn.close()
         if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+            # Tearing a communicator down can block (NCCL waits on peers that are already gone):
+            # give it a while in a thread, so that shutting an engine down never hangs its process.
+            import threading
+
+            done = threading.Event()
+
+            def destroy():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+                done.set()
+
+            threading.Thread(target=destroy, name="pagestream-tp-destroy", daemon=True).start()
+            if not done.wait(15):
+                logger.warning("tensor-parallel process group did not tear down within 15 s; left behind")
 
 
 class _WatchedEvent:
@@ -298,15 +313,14 @@ def _follower_main(rank: int, config: "EngineConfig", init_method: str, backend:
             try:
                 msg = conn.recv()
             except EOFError:  # rank 0 is gone
-                return
+                break
             if msg is None:
                 break
             runner.follow(msg[1])
-    except Exception:
+    except BaseException:
         with contextlib.suppress(Exception):
             conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
-        raise SystemExit(1)
-    finally:
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        os._exit(1)
+    # Leave without tearing down the communicator or the CUDA graphs that captured it (that can
+    # block on the other ranks); the process's exit releases this rank's memory and links.
+    os._exit(0)

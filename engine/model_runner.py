@@ -150,6 +150,10 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do at size 1)."""
         if self.driver is not None:
+            # graphs that captured collectives go before the communicator they use
+            for name in ("graphs", "mixed_graphs"):
+                if isinstance(getattr(self, name, None), dict):
+                    getattr(self, name).clear()
             self.driver.shutdown()
 
     def _build(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
