@@ -59,12 +59,6 @@ def free(device):
         torch.cuda.empty_cache()
 
 
-def close(llm, device):
-    llm.llm_engine.runner.shutdown()
-    del llm
-    free(device)
-
-
 # ---- 1. all-reduce between the GPUs ----------------------------------------------------------------
 def _allreduce_rank(rank, size, port, sizes, queue):
     from pagestream.engine.distributed import disable_multicast
@@ -112,7 +106,10 @@ def _allreduce_rank(rank, size, port, sizes, queue):
         out[nbytes] = row
     if rank == 0:
         queue.put(out)
-    dist.destroy_process_group()
+        queue.close()
+        queue.join_thread()
+    # no destroy_process_group: tearing down a communicator that CUDA graphs captured can block
+    os._exit(0)
 
 
 def allreduce_bench(hidden: int) -> dict:
@@ -126,12 +123,14 @@ def allreduce_bench(hidden: int) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, 2, port, sizes, q)) for r in range(2)]
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, 2, port, sizes, q), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     res = q.get(timeout=300)
     for p in procs:
-        p.join(60)
+        p.join(20)
+        if p.is_alive():
+            p.kill()
     return {str(k): v for k, v in res.items()}
 
 
@@ -243,6 +242,14 @@ def eight_b(args, device, ceil, ar, res):
         row["batch"] = run_engine(llm, prompts, [sp] * n, device)
         row["batch"].update(tp_floor(cfg, n, in_len, out_len, ceil, tp, ar_bw))
         row["batch"]["frac_of_floor"] = row["batch"]["floor_s"] / row["batch"]["seconds"]
+        if tp > 1 and "decode256_us" in ar:
+            # the decode steps' all-reduces at the size they have (256 x hidden bf16, 2 MiB for 8B): at that
+            # size the link is latency-bound, so bytes / bandwidth undercounts them
+            b = row["batch"]
+            per_token = (2 * cfg["num_hidden_layers"] + 1) * cfg["hidden_size"] * 2
+            b["floor_with_measured_decode_allreduce_s"] = (
+                b["compute_and_memory_s"] + n * in_len * per_token / ar_bw
+                + (out_len - 1) * (2 * cfg["num_hidden_layers"] + 1) * ar["decode256_us"] * 1e-6)
         row["single"] = run_engine(llm, one, [sp], device)
         fl = tp_floor(cfg, 1, in_len, out_len, ceil, tp, ar_bw)
         # one token's all-reduces are latency-bound: the measured in-graph time per all-reduce, not bytes / bandwidth
@@ -250,7 +257,9 @@ def eight_b(args, device, ceil, ar, res):
         row["single"].update(fl)
         row["single"]["floor_with_allreduce_latency_s"] = fl.get("compute_and_memory_s", fl["floor_s"]) + lat
         row["single"]["decode_floor_ms_per_token"] = 1e3 * (fl["floor_s"] - fl.get("allreduce_s", 0.0)) / out_len
-        close(llm, device)
+        llm.llm_engine.runner.shutdown()
+        del llm  # this frame's reference: the next engine needs the card's memory
+        free(device)
         out[key] = row
         log(key, json.dumps(row, indent=1))
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(greedy[1], greedy[2])]
@@ -305,8 +314,32 @@ def too_big(args, device, res):
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     run = run_engine(llm, prompts, [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * 16, device)
     out["tp2_run"] = {"workload": "16 x 256 -> 32", **run}
-    close(llm, device)
+    llm.llm_engine.runner.shutdown()
     res["too_big_for_one"] = out
+
+
+SECTION_KEYS = {"allreduce": "allreduce", "8b": "8b", "too-big": "too_big_for_one", "worker": "worker_tp2"}
+SECTION_TIMEOUT_S = {"allreduce": 150, "8b": 330, "too-big": 200, "worker": 240}
+
+
+def run_section(name, args, device, ceil, ar, res):
+    if name == "allreduce":
+        if device.type != "cuda":
+            return
+        hidden = SHAPES["llama-3-8b"]["hidden_size"]
+        res["allreduce"] = rows = allreduce_bench(hidden)
+        big, small = rows[str(2**28)], rows[str(hidden * 2)]
+        step = rows[str(256 * hidden * 2)]
+        rows["used_in_floor"] = {"bw_bytes_s": big["algbw_gb_s"] * 1e9, "small_us": small.get("graph_us", small["eager_us"]),
+                                 "decode256_us": step.get("graph_us", step["eager_us"])}
+    elif name == "8b":
+        eight_b(args, device, ceil, ar, res)
+    elif name == "too-big":
+        too_big(args, device, res)
+    elif name == "worker":
+        r = queue_fed(args.shape, 64, 512, 64, device, args, ceil, None, worker_args=["--tensor-parallel-size", "2"])
+        r["worker_args"] = "--tensor-parallel-size 2"
+        res["worker_tp2"] = r
 
 
 def main():
@@ -317,54 +350,87 @@ def main():
     ap.add_argument("--tput-prompts", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # run one section, write its JSON there
     args = ap.parse_args()
     device = torch.device(args.device)
     args.shape = "llama-3-8b" if device.type == "cuda" else "tiny"
+    path = os.path.join(args.out, "tp_h200x2.json")
+
+    if args.child:  # one section in its own process: its engines, memory and teardown end with it
+        res = json.load(open(path))
+        c = res["ceilings"]
+        ceil = {"flops": c["bf16_matmul_tflops"] * 1e12, "bw": c["d2d_copy_tb_s"] * 1e12}
+        ar = res.get("allreduce", {}).get("used_in_floor", {"bw_bytes_s": 1e10, "small_us": 10.0})  # CPU stand-ins
+        part = {}
+        name = args.sections
+        try:
+            run_section(name, args, device, ceil, ar, part)
+        except Exception as exc:  # reported, not hidden
+            import traceback
+
+            part[SECTION_KEYS[name]] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+        with open(args.child, "w") as f:
+            json.dump(part, f, indent=1, default=str)
+        sys.stdout.flush()
+        os._exit(0)  # no interpreter teardown: nothing left to hang on
+
     res = {"argv": sys.argv, "torch": torch.__version__,
            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")}}
     if device.type == "cuda":
         res["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         res["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
     ceil = ceilings(device)
+    free(device)
     res["ceilings"] = {"bf16_matmul_tflops": ceil["flops"] / 1e12, "d2d_copy_tb_s": ceil["bw"] / 1e12}
     log(json.dumps(res, indent=1))
-    path = os.path.join(args.out, "tp_h200x2.json")
 
     def save():
         with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)
 
-    ar = {"bw_bytes_s": 1e10, "small_us": 10.0}  # CPU stand-ins
+    save()
+    passthrough = [a for a in sys.argv[1:] if not a.startswith("--sections")]
+    if "--sections" in passthrough:
+        i = passthrough.index("--sections")
+        del passthrough[i : i + 2]
     for name in args.sections.split(","):
         t = time.perf_counter()
+        part_file = f"/tmp/pagestream-tp-part-{name}.json"
+        if os.path.exists(part_file):
+            os.remove(part_file)
+        cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--sections", name, "--child", part_file]
+        key = SECTION_KEYS[name]
         try:
-            if name == "allreduce" and device.type == "cuda":
-                hidden = SHAPES["llama-3-8b"]["hidden_size"]
-                res["allreduce"] = allreduce_bench(hidden)
-                rows = res["allreduce"]
-                big, small = rows[str(2**28)], rows[str(hidden * 2)]
-                ar = {"bw_bytes_s": big["algbw_gb_s"] * 1e9,
-                      "small_us": small.get("graph_us", small["eager_us"])}
-                res["allreduce_used_in_floor"] = ar
-            elif name == "8b":
-                eight_b(args, device, ceil, ar, res)
-            elif name == "too-big":
-                too_big(args, device, res)
-            elif name == "worker":
-                r = queue_fed(args.shape, 64, 512, 64, device, args, ceil, None,
-                              worker_args=["--tensor-parallel-size", "2"])
-                r["worker_args"] = "--tensor-parallel-size 2"
-                res["worker_tp2"] = r
-        except Exception as exc:  # one failing section is reported, the rest still run
-            import traceback
-
-            res[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
-        key = name if name in res else {"too-big": "too_big_for_one", "worker": "worker_tp2"}.get(name, name)
+            rc = subprocess.run(cmd, timeout=SECTION_TIMEOUT_S[name]).returncode
+            part = json.load(open(part_file)) if os.path.exists(part_file) else {key: {"error": f"section exited {rc}, no result"}}
+        except subprocess.TimeoutExpired:
+            part = {key: {"error": f"section did not finish within {SECTION_TIMEOUT_S[name]} s"}}
+        res.update(part)
         if isinstance(res.get(key), dict):
             res[key]["section_wall_s"] = time.perf_counter() - t
         log(name, f"{time.perf_counter() - t:.1f}s", json.dumps(res.get(key), default=str)[:4000])
         save()
+    summary(res)
     save()
+
+
+def summary(res):
+    """The figures BENCHMARKS.md quotes, last in the output."""
+    e = res.get("8b", {})
+    for tp in ("tp1", "tp2"):
+        r = e.get(tp)
+        if isinstance(r, dict) and "batch" in r:
+            b, one = r["batch"], r["single"]
+            log(f"8B {tp}: logits rel err vs HF fp32 {r['logits_vs_hf_fp32_rel_err']['mean']:.4f} "
+                f"(ratio to HF bf16 {r['logits_rel_err_ratio_to_hf_bf16']}), 256x512->128 {b['output_tok_s']:.0f} tok/s "
+                f"({b['frac_of_floor']:.2f} of floor {b['floor_s']:.2f}s), TPOT p50 {b['tpot_p50_ms']:.2f} ms; "
+                f"1 seq TPOT {one['tpot_p50_ms']:.2f} ms (floor {one['decode_floor_ms_per_token']:.2f} ms)")
+    big = res.get("too_big_for_one", {})
+    log("too big at TP=1:", big.get("tp1_refused", big.get("tp1", big.get("error"))))
+    if "tp2_run" in big:
+        log(f"too big at TP=2: {big['tp2_run']['output_tok_s']:.0f} tok/s, TPOT p50 {big['tp2_run']['tpot_p50_ms']:.1f} ms")
+    w = res.get("worker_tp2", {})
+    log("worker TP=2:", {k: w.get(k) for k in ("jobs", "jobs_with_complete_exact_stream", "output_tok_s", "error")})
 
 
 if __name__ == "__main__":
