@@ -2,10 +2,11 @@
 path as NCCL on GPUs (issue 12, acceptance 1).
 
 Greedy ids at TP=2 equal TP=1's and HF's for tiny models whose split differs: Llama with GQA (4
-query / 2 KV heads: one KV head per rank), Qwen2 with one KV head (replicated on both ranks, and
-q/k/v biases split with it), Gemma 2 (tied embeddings: the vocab-parallel embedding is the LM head;
-soft-caps) and OPT (biases on the row-parallel layers, learned positions). A seeded sampled request
-gives the same text at TP=1 and 2. Bad splits and too-big models are refused with the numbers.
+query / 2 KV heads: one KV head per rank); Qwen2 with one KV head (replicated on both ranks, q/k/v
+biases split with it) and an odd vocabulary (padded); Gemma 2 (tied embeddings: the vocab-parallel
+embedding is the LM head; soft-caps); OPT (biases on the row-parallel layers, learned positions).
+A seeded sampled request gives the same text at TP=1 and 2. Bad splits and too-big models are
+refused with the numbers; a worker at TP=2 completes queue jobs and exits when a rank dies.
 """
 import os
 import signal
@@ -23,8 +24,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 def tiny_qwen2_one_kv_dir(tmp_path_factory, smollm2_dir):
     from pagestream.engine.testing import write_tiny_model
 
+    # an odd vocabulary too: rank 1's slice of the embedding and LM head ends in a padding row
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-1kv"), "qwen2", tokenizer_dir=smollm2_dir,
-                            num_key_value_heads=1)
+                            num_key_value_heads=1, vocab_size=49153)
 
 
 def _ids(outs):
@@ -122,3 +124,41 @@ def test_a_model_too_big_for_one_gpu_is_refused_with_its_size():
                                          rf"at tensor_parallel_size=2 they take {two / GiB:.1f} GiB per GPU"):
         check_weights_fit(LLAMA_70B_SHAPED_120, torch.bfloat16, 1, h200, 0.9)
     assert check_weights_fit(LLAMA_70B_SHAPED_120, torch.bfloat16, 2, h200, 0.9) == two
+
+
+def _spawned_rank(pid: int) -> int:
+    """The pid of the tensor-parallel rank a process spawned (not multiprocessing's resource tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    for kid in kids:
+        with open(f"/proc/{kid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ")
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            return kid
+    raise AssertionError(f"no spawned rank among {kids}")
+
+
+@pytest.mark.slow
+def test_worker_at_tp2_completes_queue_jobs_and_exits_when_a_rank_dies(redis_url, producer, tiny_llama_dir, tmp_path):
+    from pagestream.producer import JobStatus
+    from tests.queue_helpers import WorkerProc, wait_for
+
+    prompts = varied_prompts(5)
+    want = [o.outputs[0].text for o in LLM(tiny_llama_dir, device="cpu").generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)]
+    w = WorkerProc(redis_url, tiny_llama_dir, "tp2-w", "--tensor-parallel-size", "2", "--max-num-seqs", "8", log_dir=tmp_path)
+    try:
+        w.wait_ready()
+        ids = [producer.submit(prompt=p, max_tokens=12, temperature=0.0) for p in prompts]
+        for job_id, text in zip(ids, want):
+            res = producer.result(job_id, timeout=60)
+            assert res.status == JobStatus.COMPLETED and res.text == text
+        os.kill(_spawned_rank(w.proc.pid), signal.SIGKILL)
+        late = producer.submit(prompt="one more", max_tokens=12)
+        wait_for(lambda: w.proc.poll() is not None, 60, "the worker to exit after its rank died")
+        assert w.proc.returncode != 0
+        assert "rank 1 of 2 died" in w.log()
+        # the job it could not run was handed back for another worker, not failed
+        assert producer.status(late) != JobStatus.FAILED
+    finally:
+        w.stop()
