@@ -404,9 +404,11 @@ def _scrape(port: int) -> dict[str, float]:
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] in want}
 
 
-def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | None, engine_process: bool = True) -> dict:
+def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | None, engine_process: bool = True,
+              worker_args=()) -> dict:
     """The fixed workload submitted to Redis and run by a `pagestream worker` process on this GPU;
-    every job's stream is read back and checked complete and in order against its result."""
+    every job's stream is read back and checked complete and in order against its result.
+    ``worker_args``: more flags for the worker (``--tensor-parallel-size 2``)."""
     import shutil
     import socket
     import subprocess
@@ -440,6 +442,7 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
         cmd += ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.85"]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    cmd += list(worker_args)
     worker = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT)
     res: dict = {"workload": f"{shape}: {n} x {in_len} -> {out_len}, submitted to Redis, one `pagestream worker`, "
                              f"engine core {'in a process of its own' if engine_process else 'in the worker process'}"}

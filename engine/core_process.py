@@ -42,7 +42,8 @@ from typing import NamedTuple
 from pagestream.engine.config import EngineConfig
 from pagestream.engine.detokenizer import IncrementalDetokenizer
 from pagestream.engine.input_processor import EngineLimits, InputProcessor
-from pagestream.engine.outputs import CompletionOutput, EngineDeadError, EngineStats, RequestOutput
+from pagestream.engine.errors import EngineDeadError
+from pagestream.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagestream.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ def _core_main(conn, config: EngineConfig, log_level: int) -> None:
         _serve(engine, conn, inbox)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the caller is gone: nobody to report to
+    finally:
+        engine.runner.shutdown()  # tensor-parallel ranks leave with the core
 
 
 def _serve(engine, conn, inbox: queue.SimpleQueue) -> None:
@@ -147,6 +150,9 @@ def _serve(engine, conn, inbox: queue.SimpleQueue) -> None:
             continue
         try:
             outs = engine.step()
+        except EngineDeadError as exc:  # a tensor-parallel rank died: this engine is over
+            conn.send(("dead", f"engine core: {exc}"))
+            return
         except Exception:  # the caller treats it as LLMEngine.step raising; the core goes on
             conn.send(("step_error", traceback.format_exc()))
             continue

@@ -10,7 +10,7 @@ import pytest
 
 from pagestream.engine import EngineConfig, SamplingParams
 from pagestream.engine.core_process import EngineProcess
-from pagestream.engine.outputs import EngineDeadError
+from pagestream.engine.errors import EngineDeadError
 from pagestream.producer import JobStatus, keys
 from tests.queue_helpers import WorkerProc, assert_contiguous, engine_core_pid, pending_of, pid_alive, wait_for
 

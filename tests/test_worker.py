@@ -13,6 +13,7 @@ import time
 import pytest
 import redis
 
+from pagestream.engine.errors import EngineDeadError
 from pagestream.producer import JobStatus
 from pagestream.producer import keys
 from tests.queue_helpers import assert_contiguous, wait_for
@@ -363,6 +364,45 @@ def test_job_that_breaks_the_engine_step_is_dead_lettered_and_others_complete(r,
         t.join(20)
     (_, fields), = r.xrange(keys.dead_letter_stream())
     assert json.loads(fields[b"meta"])["job_id"] == poison
+
+
+class _DeadEngine(FakeEngine):
+    """Fails every step once work arrives, as an engine whose tensor-parallel rank died does."""
+
+    def step(self):
+        if self._running or self._waiting:
+            raise EngineDeadError("tensor-parallel rank 1 of 2 died (simulated)")
+        return super().step()
+
+
+def test_a_dead_engine_stops_the_worker_and_another_completes_its_jobs(r, redis_url, producer):
+    ids = [producer.submit(prompt=f"job {i}", max_tokens=3, seed=i) for i in range(3)]
+    w = make_worker(r, redis_url, engine=_DeadEngine(FakeConfig(max_num_seqs=4)), max_num_seqs=4, max_deliveries=1)
+    raised = []
+
+    def run():
+        try:
+            w.run()  # not burst: only the dead engine ends it
+        except EngineDeadError as exc:
+            raised.append(exc)
+
+    import threading
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(20)
+    if t.is_alive():
+        w.request_stop(cold=True)
+        t.join(20)
+        pytest.fail("the worker kept serving on a dead engine")
+    assert raised, "the worker stopped without raising EngineDeadError"
+    # no job was failed or dead-lettered for the engine's death, not even with max_deliveries=1 ...
+    assert not r.xrange(keys.dead_letter_stream())
+    # ... and another worker takes them over at once (the dead one's entries are handed back)
+    other = make_worker(r, redis_url, consumer="w2", max_num_seqs=4, max_deliveries=1)
+    other.run(burst=True)
+    for j in ids:
+        assert producer.result(j, timeout=5).status == JobStatus.COMPLETED
 
 
 def test_restart_under_the_same_name_recovers_its_own_pel_at_once(r, redis_url, producer):

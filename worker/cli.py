@@ -64,7 +64,8 @@ def build_engine(settings) -> object:
             model=model, device=settings.device, dtype=settings.dtype,
             max_num_seqs=settings.max_num_seqs or (256 if on_gpu else 8),
             max_model_len=settings.max_model_len, seed=settings.seed, block_size=settings.block_size,
-            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager, **extra,
+            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager,
+            tensor_parallel_size=settings.tensor_parallel_size, **extra,
         )
         if settings.engine_process if settings.engine_process is not None else on_gpu:
             from pagestream.engine.core_process import EngineProcess
@@ -97,6 +98,8 @@ def worker(
              "[default: on with CUDA, off on the CPU]"),
     max_num_seqs: Optional[int] = typer.Option(
         None, "--max-num-seqs", help="sequences the engine runs at once [default: 256 on a GPU, 8 on the CPU]"),
+    tensor_parallel_size: Optional[int] = typer.Option(
+        None, "--tensor-parallel-size", help="GPUs one engine spans, one process each (default 1)"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     consumer: Optional[str] = typer.Option(None, "--consumer", help="consumer name (default host-pid)"),
     lanes: Optional[str] = typer.Option(None, "--lanes", help="comma-separated subset of high,normal,low"),
@@ -114,7 +117,7 @@ def worker(
     """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
     import redis
 
-    from pagestream.engine.outputs import EngineDeadError
+    from pagestream.engine.errors import EngineDeadError
     from pagestream.worker.settings import WorkerSettings
     from pagestream.worker.worker import Worker
 
@@ -127,6 +130,7 @@ def worker(
         "publish_interval_ms": publish_interval_ms, "dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization,
         "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size, "enforce_eager": enforce_eager or None,
         "engine_process": engine_process,
+        "tensor_parallel_size": tensor_parallel_size,
     }
     settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
     engine = build_engine(settings)

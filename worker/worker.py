@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from pagestream.engine.outputs import EngineDeadError
+from pagestream.engine.errors import EngineDeadError
 from pagestream.producer.schema import JobStatus
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
@@ -101,6 +101,11 @@ class Worker:
                     self._sleep(backoff)
                     backoff = min(backoff * 2, 10.0)
                     continue
+                except EngineDeadError:
+                    # No later step can succeed (a tensor-parallel rank died): exit, and let other
+                    # workers reclaim the jobs, rather than fail every job through max_deliveries here.
+                    log.critical("the engine died; stopping this worker so its jobs go to others", exc_info=True)
+                    raise
                 except Exception:
                     # Not a job's fault (jobs fail through results): hand in-flight work back
                     # so it is redelivered (and dead-lettered after max_deliveries), keep serving.
