@@ -108,13 +108,9 @@ def test_end_to_end_two_producers_two_workers(r, redis_url, producer, workers, t
     assert g["entries-read"] == 51 and g["pending"] == 0
 
 
-def test_kill9_worker_loses_nothing_and_seeded_jobs_resume_exactly(r, redis_url, producer, workers, tiny_llama_dir, reference_llm):
-    specs = [_spec(i, max_tokens=48) for i in range(1, 13)]
-    wa = workers(redis_url, tiny_llama_dir, "crash-a", "--max-num-seqs", "6", "--lease-ms", "1500", "--engine-process")
-    wb = workers(redis_url, tiny_llama_dir, "crash-b", "--max-num-seqs", "6", "--lease-ms", "1500")
-    wa.wait_ready()
-    wb.wait_ready()
-    core_pid = engine_core_pid(wa)
+def _subscribe_and_wait_mid_job(r, redis_url, producer, specs, victim: str):
+    """Submit ``specs`` with a live subscriber per job; return once worker ``victim`` holds running
+    jobs with published tokens (the moment to kill it), with the dict the subscribers fill."""
     seen: dict[str, list] = {}
 
     def subscribe(jid: str) -> None:
@@ -126,11 +122,22 @@ def test_kill9_worker_loses_nothing_and_seeded_jobs_resume_exactly(r, redis_url,
     for t in subs:
         t.start()
 
-    def a_is_mid_job() -> bool:
-        mine = [s["job_id"] for s in specs if r.hget(keys.job_hash(s["job_id"]), "worker") == b"crash-a"]
-        return any(r.xlen(keys.out_stream(j)) >= 2 for j in mine) and pending_of(r).get("crash-a", 0) > 0
+    def victim_is_mid_job() -> bool:
+        mine = [s["job_id"] for s in specs if r.hget(keys.job_hash(s["job_id"]), "worker") == victim.encode()]
+        return any(r.xlen(keys.out_stream(j)) >= 2 for j in mine) and pending_of(r).get(victim, 0) > 0
 
-    wait_for(a_is_mid_job, 120, "worker a to hold running jobs with published tokens")
+    wait_for(victim_is_mid_job, 120, f"worker {victim} to hold running jobs with published tokens")
+    return seen, subs
+
+
+def test_kill9_worker_loses_nothing_and_seeded_jobs_resume_exactly(r, redis_url, producer, workers, tiny_llama_dir, reference_llm):
+    specs = [_spec(i, max_tokens=48) for i in range(1, 13)]
+    wa = workers(redis_url, tiny_llama_dir, "crash-a", "--max-num-seqs", "6", "--lease-ms", "1500", "--engine-process")
+    wb = workers(redis_url, tiny_llama_dir, "crash-b", "--max-num-seqs", "6", "--lease-ms", "1500")
+    wa.wait_ready()
+    wb.wait_ready()
+    core_pid = engine_core_pid(wa)
+    seen, subs = _subscribe_and_wait_mid_job(r, redis_url, producer, specs, "crash-a")
     held = pending_of(r)["crash-a"]
     wa.kill9()
     # the worker's engine core notices its caller is gone and exits (no orphan holding the device)
@@ -165,22 +172,7 @@ def test_kill9_logprobs_published_before_the_crash_stay_and_the_rerun_adds_the_r
     wb = workers(redis_url, tiny_llama_dir, "lp-b", "--max-num-seqs", "4", "--lease-ms", "1500")
     wa.wait_ready()
     wb.wait_ready()
-    seen: dict[str, list] = {}
-
-    def subscribe(jid: str) -> None:
-        with Producer.from_url(redis_url) as p:
-            seen[jid] = list(p.stream(jid, timeout=120))
-
-    producer.submit_many(specs)
-    subs = [threading.Thread(target=subscribe, args=(s["job_id"],)) for s in specs]
-    for t in subs:
-        t.start()
-
-    def a_is_mid_job() -> bool:
-        mine = [s["job_id"] for s in specs if r.hget(keys.job_hash(s["job_id"]), "worker") == b"lp-a"]
-        return any(r.xlen(keys.out_stream(j)) >= 2 for j in mine) and pending_of(r).get("lp-a", 0) > 0
-
-    wait_for(a_is_mid_job, 120, "worker a to hold running jobs with published tokens")
+    seen, subs = _subscribe_and_wait_mid_job(r, redis_url, producer, specs, "lp-a")
     before_kill = {s["job_id"]: [ev for ev in raw_events(r, s["job_id"]) if not isinstance(ev, str)] for s in specs}
     wa.kill9()
     results = {s["job_id"]: producer.result(s["job_id"], timeout=180) for s in specs}
