@@ -168,8 +168,13 @@ class Publisher:
                     if wait <= 0:
                         break
                     self._cond.wait(wait)
-                batch.extend(self._items)
-                self._items.clear()
+                if not batch:
+                    batch.extend(self._items)
+                    self._items.clear()
+                # else a batch whose transaction may have landed before the connection broke is
+                # retried as it was, alone: the same events again, which subscribers drop whole by
+                # their index. Merged with newer deltas, a replayed event would span tokens
+                # already shown and repeat their text.
                 self._urgent = False
                 self._busy = True
             try:
@@ -181,7 +186,7 @@ class Publisher:
                 if acked and self.on_acked:
                     self.on_acked(acked)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
-                # Keep the batch and retry: a replayed event is dropped by subscribers by its index.
+                # Keep the batch and retry it unchanged: a replayed event is dropped by subscribers by its index.
                 self.last_error = exc
                 log.warning("publisher: redis unavailable (%s), retrying in %.2fs", exc, backoff)
                 time.sleep(backoff)
