@@ -29,6 +29,7 @@ def make_worker(r, redis_url, engine=None, **kw) -> Worker:
     return Worker(r, engine, settings)
 
 
+@pytest.mark.also_on_cluster
 def test_burst_completes_jobs_streams_equal_results_high_lane_first(r, redis_url, producer):
     w = make_worker(r, redis_url, max_num_seqs=4, prefetch=0)
     low = [producer.submit(prompt=f"low {i}", max_tokens=5, seed=i, lane="low") for i in range(6)]
@@ -70,6 +71,7 @@ def _malformed_entries(rng: random.Random, n: int) -> list[dict]:
     return [makers[i % len(makers)](i) for i in range(n)]
 
 
+@pytest.mark.also_on_cluster
 def test_fuzz_malformed_entries_end_in_dlq_and_worker_keeps_serving(r, redis_url, producer):
     rng = random.Random(0)
     bad = _malformed_entries(rng, 520)
@@ -96,6 +98,7 @@ def test_fuzz_malformed_entries_end_in_dlq_and_worker_keeps_serving(r, redis_url
     assert res.status == JobStatus.FAILED and "lane" in res.error
 
 
+@pytest.mark.also_on_cluster
 def test_poison_job_is_dead_lettered_after_max_deliveries(r, redis_url, producer):
     jid = producer.submit(prompt="poison", max_tokens=2)
     stream = keys.jobs_stream("normal")
@@ -151,6 +154,7 @@ def test_pel_never_exceeds_admission_plus_prefetch(r, redis_url, producer):
     assert r.xinfo_groups(keys.jobs_stream("normal"))[0]["lag"] == 0
 
 
+@pytest.mark.also_on_cluster
 def test_cancel_running_job_stops_within_one_step_and_frees_blocks(r, redis_url, producer, tiny_llama_dir):
     from pagestream.engine import EngineConfig, LLMEngine
 

@@ -95,6 +95,7 @@ def worker(
     """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
     import redis
 
+    from pagestream.producer.redis_conn import connect
     from pagestream.worker.settings import WorkerSettings
     from pagestream.worker.worker import Worker
 
@@ -109,7 +110,7 @@ def worker(
     }
     settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
     engine = build_engine(settings)
-    client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    client = connect(settings.redis_url, health_check_interval=30)  # a single node or any node of a cluster
     w = Worker(client, engine, settings)
     if metrics_port:
         w.metrics.serve(metrics_port, metrics_host)
@@ -215,11 +216,10 @@ def stats(
     window_s: int = typer.Option(10, "--window", help="seconds over which jobs/s is averaged"),
 ) -> None:
     """Per lane: length, pending, consumers and their idle time, DLQ size, jobs/s."""
-    import redis
-
+    from pagestream.producer.redis_conn import connect
     from pagestream.worker.stats import collect_stats, format_stats
 
-    client = redis.Redis.from_url(_url(redis_url))
+    client = connect(_url(redis_url))
     data = collect_stats(client, window_s=window_s)
     typer.echo(json.dumps(data, indent=2) if as_json else format_stats(data))
 

@@ -1,6 +1,9 @@
 """One worker's side of the consumer group: read, reclaim, keep leases, ack, dead-letter, trim.
 
-Each lane is one stream (``ps:jobs:{lane}``) with one group. An entry is "held"
+Each lane is one stream (``ps:jobs:{lane}``) with one group; on Redis Cluster each lane
+is ``lane_shards`` streams (``producer.lanes``), and this consumer reads, reclaims, trims
+and refreshes every one of them. Entries are named by a "lane key" (``normal`` for shard
+0, ``normal/3`` for shard 3), which is what ``Delivery.lane`` holds. An entry is "held"
 by this consumer from XREADGROUP/XAUTOCLAIM until XACK; while held, its idle
 time is reset every ``lease_ms / 3`` so other workers only reclaim entries of
 consumers that stopped doing so (dead or hung).
@@ -17,6 +20,7 @@ from typing import TypeVar
 import redis
 
 from pagestream.producer import keys
+from pagestream.producer.lanes import resolve_layout
 from pagestream.producer.schema import DeadLetter
 from pagestream.worker.settings import WorkerSettings
 
@@ -39,6 +43,9 @@ for i = 3, #ARGV do
 end
 return lost
 """
+
+#: longest XREADGROUP BLOCK on a sharded (cluster) layout: the wait before another scan of every shard
+SHARDED_BLOCK_MS = 100
 
 #: field that stands in for the payload of an entry cut down by ``_READ_LUA`` (value: its size in bytes)
 OVERSIZED_FIELD = b"__oversized_bytes__"
@@ -113,7 +120,12 @@ class Consumer:
         self.settings = settings
         self.group = settings.group
         self.name = settings.consumer
-        self.lanes = list(settings.lanes)
+        self.layout = resolve_layout(client)
+        # every stream this consumer reads, as lane keys: high's shards before normal's before low's
+        self.lanes_by_priority = [self.layout.lane_keys(lane) for lane in settings.lanes]
+        self.lanes = [key for shards in self.lanes_by_priority for key in shards]
+        self._streams = {key: self.layout.stream(key, settings.served_model_name) for key in self.lanes}
+        self._turn = 0  # which shard of each lane is read first (round robin, so no shard starves)
         self._refresh = client.register_script(_REFRESH_LUA)
         self._read_cut = client.register_script(_READ_LUA)
         self._delete_idle = client.register_script(_DELETE_IDLE_LUA)
@@ -126,7 +138,20 @@ class Consumer:
         return [(i, dict(zip(f[::2], f[1::2])) if f else None) for i, f in rows]
 
     def stream(self, lane: str) -> str:
-        return keys.jobs_stream(lane, self.settings.served_model_name)
+        """The stream behind a lane key (``normal``, or ``normal/3`` for a shard on a cluster)."""
+        stream = self._streams.get(lane)
+        return stream if stream is not None else self.layout.stream(lane, self.settings.served_model_name)
+
+    def _read_order(self) -> list[str]:
+        """Lane keys in the order to read now: by lane priority, each lane's shards rotated by one per call."""
+        if not self.layout.sharded:
+            return self.lanes
+        self._turn += 1
+        order = []
+        for shards in self.lanes_by_priority:
+            k = self._turn % len(shards)
+            order.extend(shards[k:] + shards[:k])
+        return order
 
     def ensure_groups(self) -> None:
         """Create the group on every lane (from id 0: jobs submitted before any worker existed count)."""
@@ -174,18 +199,26 @@ class Consumer:
         out: list[Delivery] = []
         if max_count <= 0:
             return out
-        for lane in self.lanes:
+        order = self._read_order()
+        for lane in order:
             n = max_count - len(out)
             if n <= 0:
                 break
             out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
         if out or not block_ms:
             return out
+        blocking = self.lanes
+        if self.layout.sharded:
+            # A cluster cannot XREADGROUP streams of several slots in one call: block on one
+            # shard (a different one each time), briefly, so an entry on another shard waits
+            # at most SHARDED_BLOCK_MS before the next scan of all of them finds it.
+            blocking = [order[0]]
+            block_ms = min(block_ms, SHARDED_BLOCK_MS)
         # one entry at most: the one read that is not cut down by _READ_LUA (Lua cannot block)
         resp = self.redis.xreadgroup(
-            self.group, self.name, {self.stream(lane): ">" for lane in self.lanes}, count=1, block=block_ms
+            self.group, self.name, {self.stream(lane): ">" for lane in blocking}, count=1, block=block_ms
         )
-        lane_of = {self.stream(lane): lane for lane in self.lanes}
+        lane_of = {self.stream(lane): lane for lane in blocking}
         for stream, entries in resp or []:
             out.extend(Delivery(lane_of[_s(stream)], _s(i), f, 1) for i, f in entries)
         return out[:max_count]
