@@ -57,10 +57,11 @@ def submit(
     redis_url: Optional[str] = _REDIS_URL,
     rq_redis_url: Optional[str] = _RQ_REDIS_URL,
     shard_lines: int = typer.Option(10_000, "--shard-lines", min=1, help="lines per output shard"),
-    model: str = typer.Option(None, "--model", help="model name recorded in bodies when a line has none"),
+    model: str = typer.Option(None, "--model", show_default="none", help="model name recorded in bodies when a line has none"),
     lane: Lane = typer.Option(Lane.LOW, "--lane", help="lane the jobs go to"),
     max_outstanding: int = typer.Option(2_048, "--max-outstanding", min=1, help="queued-but-unfinished job bound"),
-    completion_window_s: float = typer.Option(None, "--completion-window-s", help="expire after this many seconds"),
+    completion_window_s: float = typer.Option(None, "--completion-window-s", show_default="never",
+                                              help="expire after this many seconds (what is done is finalized)"),
     s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
     s3_region: Optional[str] = typer.Option(None, "--s3-region", envvar=list(S3_REGION_ENV), show_envvar=True,
                                             show_default="boto3's", help="S3 region"),
@@ -115,7 +116,7 @@ def _wait(conn: redis.Redis, bulk_id: str, poll_s: float = 0.5) -> int:
 
 @bulk_app.command("status")
 def status(
-    bulk_id: str = typer.Argument(...),
+    bulk_id: str = typer.Argument(..., help="the bulk (as `bulk submit` printed it)"),
     redis_url: Optional[str] = _REDIS_URL,
     as_json: bool = typer.Option(False, "--json", help="print the full status as JSON"),
 ) -> None:
@@ -165,7 +166,7 @@ def list_(
 
 
 @bulk_app.command("cancel")
-def cancel(bulk_id: str = typer.Argument(...), redis_url: Optional[str] = _REDIS_URL) -> None:
+def cancel(bulk_id: str = typer.Argument(..., help="the bulk to cancel"), redis_url: Optional[str] = _REDIS_URL) -> None:
     """Stop feeding a bulk; what is done is finalized and the bulk ends as cancelled."""
     try:
         typer.echo(cancel_bulk(_conn(redis_url), bulk_id))
@@ -177,7 +178,7 @@ def bulk_worker(
     redis_url: Optional[str] = _REDIS_URL,
     rq_redis_url: Optional[str] = _RQ_REDIS_URL,
     queue: str = typer.Option(BULK_QUEUE, "--queue", help="RQ queue of orchestration jobs"),
-    name: str = typer.Option(None, "--name", help="RQ worker name"),
+    name: str = typer.Option(None, "--name", show_default="RQ's", help="RQ worker name"),
     burst: bool = typer.Option(False, "--burst", help="exit when the queue is empty"),
     rescue_interval_s: float = typer.Option(5.0, "--rescue-interval-s", help="how often to look for stalled bulks"),
     s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
