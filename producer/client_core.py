@@ -118,6 +118,9 @@ def call_script(script: Any, keys_: list, args: list, client: Any) -> Any:
         return client.execute_command("EVAL", script.script, len(keys_), *keys_, *args)
     return script(keys=keys_, args=args, client=client)
 
+#: doorbell entries kept (keys.lane_bell); a worker only needs the newest id
+BELL_MAXLEN = 1000
+
 #: errors after which a read is retried (Redis restarting, a failover, a dropped connection)
 TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
@@ -312,7 +315,9 @@ class ProducerCore:
         for (job, lane_key, _), entry_id in zip(placed, entry_ids):
             yield Call("claim", script=True, kwargs={"client": pipe, "keys": [keys.job_hash(job.job_id)],
                                                      "args": [_s(entry_id), lane_key]})
-        settled = yield Call("execute", on=pipe)
+        # ring the idle workers' doorbell once the entries are in (after their XADD round trip)
+        yield Call("xadd", (keys.lane_bell(), {"n": len(placed)}), {"maxlen": BELL_MAXLEN, "approximate": True}, on=pipe)
+        settled = (yield Call("execute", on=pipe))[:-1]
         losers = [(stream, _s(eid)) for (_, _, stream), eid, (won, *_) in zip(placed, entry_ids, settled) if not int(won)]
         if losers:  # another entry of the job (an earlier attempt's) is the one that runs
             pipe = yield Call("pipeline", kwargs={"transaction": False})

@@ -67,6 +67,12 @@ def lane_stream_shards(lane: str, model: str | None = None, num_shards: int = 1)
     return [base] + [f"{base}:{{{shard_tag(i, num_shards)}}}" for i in range(1, num_shards)]
 
 
+def lane_bell() -> str:
+    """Stream a producer on a cluster XADDs to after queueing jobs: idle workers block on it (one key)
+    instead of on one shard of many, then read every shard (``worker.consumer``)."""
+    return f"{PREFIX}:jobs:bell"
+
+
 def lane_layout() -> str:
     """Hash: ``lane_shards`` -> how many streams each lane has (set once per Redis, read by every process)."""
     return f"{PREFIX}:layout"

@@ -44,9 +44,6 @@ end
 return lost
 """
 
-#: longest XREADGROUP BLOCK on a sharded (cluster) layout: the wait before another scan of every shard
-SHARDED_BLOCK_MS = 100
-
 #: field that stands in for the payload of an entry cut down by ``_READ_LUA`` (value: its size in bytes)
 OVERSIZED_FIELD = b"__oversized_bytes__"
 
@@ -126,6 +123,7 @@ class Consumer:
         self.lanes = [key for shards in self.lanes_by_priority for key in shards]
         self._streams = {key: self.layout.stream(key, settings.served_model_name) for key in self.lanes}
         self._turn = 0  # which shard of each lane is read first (round robin, so no shard starves)
+        self._bell_last: bytes | None = None  # the newest doorbell entry seen (cluster only)
         self._refresh = client.register_script(_REFRESH_LUA)
         self._read_cut = client.register_script(_READ_LUA)
         self._delete_idle = client.register_script(_DELETE_IDLE_LUA)
@@ -207,21 +205,41 @@ class Consumer:
             out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
         if out or not block_ms:
             return out
-        blocking = self.lanes
         if self.layout.sharded:
-            # A cluster cannot XREADGROUP streams of several slots in one call: block on one
-            # shard (a different one each time), briefly, so an entry on another shard waits
-            # at most SHARDED_BLOCK_MS before the next scan of all of them finds it.
-            blocking = [order[0]]
-            block_ms = min(block_ms, SHARDED_BLOCK_MS)
+            return self._wait_for_bell(max_count, block_ms)
         # one entry at most: the one read that is not cut down by _READ_LUA (Lua cannot block)
         resp = self.redis.xreadgroup(
-            self.group, self.name, {self.stream(lane): ">" for lane in blocking}, count=1, block=block_ms
+            self.group, self.name, {self.stream(lane): ">" for lane in self.lanes}, count=1, block=block_ms
         )
-        lane_of = {self.stream(lane): lane for lane in blocking}
+        lane_of = {self.stream(lane): lane for lane in self.lanes}
         for stream, entries in resp or []:
             out.extend(Delivery(lane_of[_s(stream)], _s(i), f, 1) for i, f in entries)
         return out[:max_count]
+
+    def _wait_for_bell(self, max_count: int, block_ms: int) -> list[Delivery]:
+        """Idle on a cluster: one XREADGROUP cannot block on streams of several slots, so block on
+        the producers' doorbell (``keys.lane_bell``, rung after their entries are in) and scan every
+        shard when it rings. An entry queued without the bell (a raw XADD) is found by the next
+        scan, at most ``block_ms`` later."""
+        bell = keys.lane_bell()
+        if self._bell_last is None:  # a bell rung between the scan and the first block is not missed
+            newest = self.redis.xrevrange(bell, count=1)
+            self._bell_last = newest[0][0] if newest else b"0-0"
+            return []  # scan again before blocking
+        resp = self.redis.xread({bell: self._bell_last}, count=1000, block=block_ms)
+        rung = False
+        for _, entries in resp or []:
+            if entries:
+                self._bell_last, rung = entries[-1][0], True
+        if not rung:
+            return []
+        out: list[Delivery] = []
+        for lane in self._read_order():
+            n = max_count - len(out)
+            if n <= 0:
+                break
+            out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
+        return out
 
     def reclaim(self, max_count: int) -> list[Delivery]:
         """XAUTOCLAIM entries idle longer than the lease (their consumer stopped refreshing)."""
