@@ -105,8 +105,6 @@ def worker(
                                   help="DEBUG | INFO | WARNING | ERROR"),
 ) -> None:
     """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
-    import redis
-
     from pagestream.producer.redis_conn import connect
     from pagestream.worker.settings import WorkerSettings
     from pagestream.worker.worker import Worker

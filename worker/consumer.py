@@ -189,7 +189,8 @@ class Consumer:
     def read(self, max_count: int, block_ms: int | None = None) -> list[Delivery]:
         """Up to ``max_count`` new entries, high lane before normal before low.
 
-        With ``block_ms`` and nothing available, waits on all lanes at once.
+        With ``block_ms`` and nothing available, waits on all lanes at once (on a cluster: on
+        the producers' doorbell, then reads every shard).
         """
         return self._regrouped(lambda: self._read(max_count, block_ms))
 
