@@ -123,7 +123,11 @@ class Consumer:
         self.lanes = [key for shards in self.lanes_by_priority for key in shards]
         self._streams = {key: self.layout.stream(key, settings.served_model_name) for key in self.lanes}
         self._turn = 0  # which shard of each lane is read first (round robin, so no shard starves)
-        self._bell_last: bytes | None = None  # the newest doorbell entry seen (cluster only)
+        # cluster only (_read_sharded): the newest doorbell entry seen, whether the last scan of the
+        # shards stopped early, when the next scan is due even without a ring
+        self._bell_last: bytes | None = None
+        self._backlog = True
+        self._next_scan = 0.0
         self._refresh = client.register_script(_REFRESH_LUA)
         self._read_cut = client.register_script(_READ_LUA)
         self._delete_idle = client.register_script(_DELETE_IDLE_LUA)
@@ -198,16 +202,15 @@ class Consumer:
         out: list[Delivery] = []
         if max_count <= 0:
             return out
-        order = self._read_order()
-        for lane in order:
+        if self.layout.sharded:
+            return self._read_sharded(max_count, block_ms)
+        for lane in self.lanes:
             n = max_count - len(out)
             if n <= 0:
                 break
             out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
         if out or not block_ms:
             return out
-        if self.layout.sharded:
-            return self._wait_for_bell(max_count, block_ms)
         # one entry at most: the one read that is not cut down by _READ_LUA (Lua cannot block)
         resp = self.redis.xreadgroup(
             self.group, self.name, {self.stream(lane): ">" for lane in self.lanes}, count=1, block=block_ms
@@ -217,29 +220,46 @@ class Consumer:
             out.extend(Delivery(lane_of[_s(stream)], _s(i), f, 1) for i, f in entries)
         return out[:max_count]
 
-    def _wait_for_bell(self, max_count: int, block_ms: int) -> list[Delivery]:
-        """Idle on a cluster: one XREADGROUP cannot block on streams of several slots, so block on
-        the producers' doorbell (``keys.lane_bell``, rung after their entries are in) and scan every
-        shard when it rings. An entry queued without the bell (a raw XADD) is found by the next
-        scan, at most ``block_ms`` later."""
-        bell = keys.lane_bell()
-        if self._bell_last is None:  # a bell rung between the scan and the first block is not missed
-            newest = self.redis.xrevrange(bell, count=1)
+    def _read_sharded(self, max_count: int, block_ms: int | None) -> list[Delivery]:
+        """``read`` on a cluster, where a lane is many streams in different slots.
+
+        Scanning every shard costs one call per shard, so it happens only when something may be
+        there: the last scan filled ``max_count`` (a backlog), the producers' doorbell
+        (``keys.lane_bell``, rung after their entries are in) rang since, or ``block_ms`` passed
+        since the last scan (an entry queued without the bell, by a raw XADD). Otherwise a read
+        costs one non-blocking XREAD of the bell. One XREADGROUP cannot block on several slots:
+        an idle worker blocks on the bell instead, and scans when it rings.
+        """
+        if self._bell_last is None:  # first read: note the bell before the first scan, so no ring is missed
+            newest = self.redis.xrevrange(keys.lane_bell(), count=1)
             self._bell_last = newest[0][0] if newest else b"0-0"
-            return []  # scan again before blocking
-        resp = self.redis.xread({bell: self._bell_last}, count=1000, block=block_ms)
-        rung = False
+            self._backlog = True
+        if self._backlog or time.monotonic() >= self._next_scan or self._bell_rang(None):
+            out = self._scan(max_count)
+            if out or not block_ms:
+                return out
+        elif not block_ms:
+            return []
+        return self._scan(max_count) if self._bell_rang(block_ms) else []
+
+    def _bell_rang(self, block_ms: int | None) -> bool:
+        resp = self.redis.xread({keys.lane_bell(): self._bell_last}, count=1000, block=block_ms)
         for _, entries in resp or []:
             if entries:
-                self._bell_last, rung = entries[-1][0], True
-        if not rung:
-            return []
+                self._bell_last = entries[-1][0]
+                return True
+        return False
+
+    def _scan(self, max_count: int) -> list[Delivery]:
+        """Read every shard (lanes by priority, shards round robin) until ``max_count`` entries."""
         out: list[Delivery] = []
         for lane in self._read_order():
             n = max_count - len(out)
             if n <= 0:
                 break
             out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
+        self._backlog = len(out) >= max_count  # stopped early: more may be waiting
+        self._next_scan = time.monotonic() + self.settings.block_ms / 1000
         return out
 
     def reclaim(self, max_count: int) -> list[Delivery]:
