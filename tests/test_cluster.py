@@ -141,3 +141,25 @@ def test_the_bulk_queue_refuses_a_cluster_without_a_single_node_for_rq(cluster, 
     cli = [sys.executable, "-m", "pagestream.worker.cli", "bulk-worker", "--redis-url", cluster.url, "--burst"]
     proc = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--rq-redis-url" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_gateway_serves_completions_and_streams_from_a_cluster(cluster, tmp_path):
+    import openai
+
+    from tests.gateway_helpers import GatewayProc
+    from tests.queue_helpers import WorkerProc, wait_for
+
+    worker = WorkerProc(cluster.url, "fake:5", "gw-cluster-w", "--served-model-name", "fake-model", log_dir=tmp_path)
+    gw = GatewayProc(cluster.url, "--max-queue-depth", "1000", log_dir=tmp_path)
+    try:
+        worker.wait_ready()
+        gw.wait_ready()
+        wait_for(lambda: "fake-model" in Producer.from_url(cluster.url).live_models(), 30, "the worker's announcement")
+        c = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=60)
+        done = c.completions.create(model="fake-model", prompt="the quick brown fox", max_tokens=7, seed=11)
+        assert done.choices[0].text == FakeEngine().expected_text("the quick brown fox", 11, 7)
+        chunks = list(c.completions.create(model="fake-model", prompt="the quick brown fox", max_tokens=7, seed=11, stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == done.choices[0].text
+    finally:
+        gw.stop()
+        worker.stop()
