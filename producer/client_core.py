@@ -315,9 +315,14 @@ class ProducerCore:
         for (job, lane_key, _), entry_id in zip(placed, entry_ids):
             yield Call("claim", script=True, kwargs={"client": pipe, "keys": [keys.job_hash(job.job_id)],
                                                      "args": [_s(entry_id), lane_key]})
-        # ring the idle workers' doorbell once the entries are in (after their XADD round trip)
-        yield Call("xadd", (keys.lane_bell(), {"n": len(placed)}), {"maxlen": BELL_MAXLEN, "approximate": True}, on=pipe)
-        settled = (yield Call("execute", on=pipe))[:-1]
+        # ring the idle workers' doorbell once the entries are in (after their XADD round trip),
+        # naming the shards, so a woken worker reads those instead of every shard
+        for model in sorted({job.model or "" for job, _, _ in placed}):
+            shards = sorted({lane_key for job, lane_key, _ in placed if (job.model or "") == model})
+            yield Call("xadd", (keys.lane_bell(), {"model": model, "lanes": ",".join(shards)}),
+                       {"maxlen": BELL_MAXLEN, "approximate": True}, on=pipe)
+        n_rings = len({job.model or "" for job, _, _ in placed})
+        settled = (yield Call("execute", on=pipe))[:-n_rings]
         losers = [(stream, _s(eid)) for (_, _, stream), eid, (won, *_) in zip(placed, entry_ids, settled) if not int(won)]
         if losers:  # another entry of the job (an earlier attempt's) is the one that runs
             pipe = yield Call("pipeline", kwargs={"transaction": False})

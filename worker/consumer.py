@@ -223,43 +223,53 @@ class Consumer:
     def _read_sharded(self, max_count: int, block_ms: int | None) -> list[Delivery]:
         """``read`` on a cluster, where a lane is many streams in different slots.
 
-        Scanning every shard costs one call per shard, so it happens only when something may be
-        there: the last scan filled ``max_count`` (a backlog), the producers' doorbell
-        (``keys.lane_bell``, rung after their entries are in) rang since, or ``block_ms`` passed
-        since the last scan (an entry queued without the bell, by a raw XADD). Otherwise a read
-        costs one non-blocking XREAD of the bell. One XREADGROUP cannot block on several slots:
-        an idle worker blocks on the bell instead, and scans when it rings.
+        Scanning every shard costs one call per shard, so it happens only when the last scan filled
+        ``max_count`` (a backlog) or ``block_ms`` passed since the last full scan (an entry queued
+        without the doorbell, by a raw XADD). Otherwise a read is one non-blocking XREAD of the
+        producers' doorbell (``keys.lane_bell``, rung after their entries are in, naming the
+        shards), and only the shards it names are read. One XREADGROUP cannot block on several
+        slots: an idle worker blocks on the bell instead.
         """
         if self._bell_last is None:  # first read: note the bell before the first scan, so no ring is missed
             newest = self.redis.xrevrange(keys.lane_bell(), count=1)
             self._bell_last = newest[0][0] if newest else b"0-0"
             self._backlog = True
-        if self._backlog or time.monotonic() >= self._next_scan or self._bell_rang(None):
+        if self._backlog or time.monotonic() >= self._next_scan:
             out = self._scan(max_count)
-            if out or not block_ms:
-                return out
-        elif not block_ms:
-            return []
-        return self._scan(max_count) if self._bell_rang(block_ms) else []
+        else:
+            rung = self._bell_rang(None)
+            out = self._scan(max_count, rung) if rung else []
+        if out or not block_ms:
+            return out
+        rung = self._bell_rang(block_ms)
+        return self._scan(max_count, rung) if rung else []
 
-    def _bell_rang(self, block_ms: int | None) -> bool:
+    def _bell_rang(self, block_ms: int | None) -> set[str]:
+        """Lane keys of this worker that producers rang since the last look (empty: none)."""
         resp = self.redis.xread({keys.lane_bell(): self._bell_last}, count=1000, block=block_ms)
+        mine = (self.settings.served_model_name or "").encode()
+        rung: set[str] = set()
         for _, entries in resp or []:
-            if entries:
-                self._bell_last = entries[-1][0]
-                return True
-        return False
+            for entry_id, fields in entries:
+                self._bell_last = entry_id
+                if fields.get(b"model", b"") == mine:
+                    rung.update(_s(k) for k in fields.get(b"lanes", b"").split(b",") if k)
+        return rung & set(self.lanes)
 
-    def _scan(self, max_count: int) -> list[Delivery]:
-        """Read every shard (lanes by priority, shards round robin) until ``max_count`` entries."""
+    def _scan(self, max_count: int, only: set[str] | None = None) -> list[Delivery]:
+        """Read every shard (or those in ``only``), lanes by priority, shards round robin, until ``max_count`` entries."""
         out: list[Delivery] = []
         for lane in self._read_order():
             n = max_count - len(out)
             if n <= 0:
                 break
-            out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
-        self._backlog = len(out) >= max_count  # stopped early: more may be waiting
-        self._next_scan = time.monotonic() + self.settings.block_ms / 1000
+            if only is None or lane in only:
+                out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
+        if len(out) >= max_count:
+            self._backlog = True  # stopped early: more may be waiting
+        elif only is None:
+            self._backlog = False
+            self._next_scan = time.monotonic() + self.settings.block_ms / 1000
         return out
 
     def reclaim(self, max_count: int) -> list[Delivery]:

@@ -17,6 +17,7 @@ A command Redis refuses fails alone (``redis.pcall``), as a refused command insi
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import redis
@@ -35,6 +36,9 @@ while i <= #ARGV do
 end
 return errors
 """
+
+
+_APPLY_SHA = hashlib.sha1(_APPLY_LUA.encode()).hexdigest()
 
 
 def _b(v: Any) -> bytes:
@@ -88,10 +92,20 @@ class SlotBatch:
     def execute(self, raise_on_error: bool = True) -> list[Exception]:
         errors: list[Exception] = []
         if self._slots:
+            groups = list(self._slots.values())
             pipe = self.client.pipeline(transaction=False)
-            for keys, argv in self._slots.values():
-                pipe.execute_command("EVAL", _APPLY_LUA, len(keys), *keys, *argv)
-            for res in pipe.execute(raise_on_error=False):
+            for keys, argv in groups:
+                pipe.execute_command("EVALSHA", _APPLY_SHA, len(keys), *keys, *argv)
+            results = pipe.execute(raise_on_error=False)
+            missing = [i for i, res in enumerate(results) if isinstance(res, redis.exceptions.NoScriptError)]
+            if missing:  # a master that has not seen the script yet (a new node, a restart): it did not run there
+                pipe = self.client.pipeline(transaction=False)
+                for i in missing:
+                    keys, argv = groups[i]
+                    pipe.execute_command("EVAL", _APPLY_LUA, len(keys), *keys, *argv)
+                for i, res in zip(missing, pipe.execute(raise_on_error=False)):
+                    results[i] = res
+            for res in results:
                 if isinstance(res, (redis.ConnectionError, redis.TimeoutError)):
                     raise res  # no ack goes out: the publisher retries the whole flush
                 if isinstance(res, Exception):
