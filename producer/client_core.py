@@ -23,6 +23,7 @@ from redis.backoff import ExponentialBackoff
 
 from pagestream.producer import keys
 from pagestream.producer.lanes import SINGLE, LaneLayout, layout_args
+from pagestream.producer.redis_conn import queue_script
 from pagestream.producer.schema import JobRequest, JobResult, JobStatus, TokenEvent
 from pagestream.producer.wire import END_TYPE, JOB_FIELD, TYPE_FIELD, EventDeduper, decode_out_entry, job_fields
 
@@ -115,7 +116,7 @@ def call_script(script: Any, keys_: list, args: list, client: Any) -> Any:
     from redis.cluster import ClusterPipeline
 
     if isinstance(client, (ClusterPipeline, AsyncClusterPipeline)):
-        return client.execute_command("EVAL", script.script, len(keys_), *keys_, *args)
+        return queue_script(client, "EVAL", script.script, keys_, args)
     return script(keys=keys_, args=args, client=client)
 
 #: doorbell entries kept (keys.lane_bell); a worker only needs the newest id

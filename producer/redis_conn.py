@@ -109,3 +109,17 @@ def connect_async(url: str, **kwargs):
 
         return RedisCluster.from_url(url, **_cluster_kwargs(kwargs))
     return aioredis.Redis.from_url(url, **kwargs)
+
+
+def queue_script(pipe, command: str, script: str, keys: list, args: list):
+    """Queue ``EVAL script`` / ``EVALSHA sha`` on a pipeline, a cluster one routed by its first key.
+
+    redis-py's cluster pipeline asks the server for the keys of every EVAL it queues (COMMAND
+    GETKEYS: one extra round trip per script, which halved the worker's throughput); a script's
+    keys share one slot, so its node is the first key's. A MOVED reply (resharding) is retried
+    by redis-py as for any command.
+    """
+    from redis.cluster import ClusterPipeline
+
+    kwargs = {"target_nodes": pipe.get_node_from_key(keys[0])} if isinstance(pipe, ClusterPipeline) and keys else {}
+    return pipe.execute_command(command, script, len(keys), *keys, *args, **kwargs)

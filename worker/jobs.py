@@ -9,6 +9,7 @@ import redis
 from pydantic import ValidationError
 
 from pagestream.producer import keys
+from pagestream.producer.redis_conn import queue_script
 from pagestream.producer.schema import JOB_ID_PATTERN, JobRequest, OutputTarget, format_validation_error
 from pagestream.producer.wire import JOB_FIELD, EventDeduper, UntrustedJSONError, decode_out_entry, loads_untrusted
 from pagestream.worker.consumer import Delivery, entry_size
@@ -124,7 +125,7 @@ def claim_entries(client: redis.RedisCluster, jobs: list[ActiveJob]) -> list[tup
     """(status, cancel_requested, this entry is the job's own) per job, in one pipelined round trip (cluster only)."""
     pipe = client.pipeline(transaction=False)
     for a in jobs:
-        pipe.execute_command("EVAL", _CLAIM_LUA, 1, keys.job_hash(a.job_id), a.delivery.entry_id, a.delivery.lane)
+        queue_script(pipe, "EVAL", _CLAIM_LUA, [keys.job_hash(a.job_id)], [a.delivery.entry_id, a.delivery.lane])
     return [(st or None, cr or None, bool(int(won))) for st, cr, won in pipe.execute()]
 
 

@@ -23,6 +23,8 @@ from typing import Any
 import redis
 from redis.crc import key_slot
 
+from pagestream.producer.redis_conn import queue_script
+
 # KEYS: the keys of one slot (they route the script). ARGV: commands, each as its argument
 # count followed by its arguments. Returns the error messages of refused commands.
 _APPLY_LUA = """
@@ -57,7 +59,7 @@ class SlotBatch:
     def __init__(self, client: Any) -> None:
         self.client = client
         self._slots: dict[int, tuple[list[bytes], list[bytes]]] = {}  # slot -> (keys, argv)
-        self._acks: list[tuple[Any, ...]] = []
+        self._acks: dict[tuple[str, str], list[str]] = {}  # (stream, group) -> entry ids: one XACK each
 
     def _add(self, key: str | bytes, *cmd: Any) -> None:
         k = _b(key)
@@ -87,7 +89,7 @@ class SlotBatch:
         self._add(name, "INCRBY", name, amount)
 
     def xack(self, name: str, groupname: str, *ids: str) -> None:
-        self._acks.append(("XACK", name, groupname, *ids))
+        self._acks.setdefault((name, groupname), []).extend(ids)
 
     def execute(self, raise_on_error: bool = True) -> list[Exception]:
         errors: list[Exception] = []
@@ -95,14 +97,14 @@ class SlotBatch:
             groups = list(self._slots.values())
             pipe = self.client.pipeline(transaction=False)
             for keys, argv in groups:
-                pipe.execute_command("EVALSHA", _APPLY_SHA, len(keys), *keys, *argv)
+                queue_script(pipe, "EVALSHA", _APPLY_SHA, keys, argv)
             results = pipe.execute(raise_on_error=False)
             missing = [i for i, res in enumerate(results) if isinstance(res, redis.exceptions.NoScriptError)]
             if missing:  # a master that has not seen the script yet (a new node, a restart): it did not run there
                 pipe = self.client.pipeline(transaction=False)
                 for i in missing:
                     keys, argv = groups[i]
-                    pipe.execute_command("EVAL", _APPLY_LUA, len(keys), *keys, *argv)
+                    queue_script(pipe, "EVAL", _APPLY_LUA, keys, argv)
                 for i, res in zip(missing, pipe.execute(raise_on_error=False)):
                     results[i] = res
             for res in results:
@@ -114,8 +116,8 @@ class SlotBatch:
                     errors.extend(redis.ResponseError(_b(e).decode("utf-8", "replace")) for e in res or [])
         if self._acks:
             pipe = self.client.pipeline(transaction=False)
-            for cmd in self._acks:
-                pipe.execute_command(*cmd)
+            for (name, group), ids in self._acks.items():
+                pipe.xack(name, group, *ids)
             for res in pipe.execute(raise_on_error=False):
                 if isinstance(res, (redis.ConnectionError, redis.TimeoutError)):
                     raise res
