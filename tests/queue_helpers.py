@@ -93,6 +93,12 @@ def lane_streams(r: redis.Redis, lane: str) -> list[str]:
     return resolve_layout(r).streams(lane)
 
 
+def stream_of_job(r: redis.Redis, job_id: str, lane: str = "normal") -> str:
+    """The lane stream a submitted job was queued on: the lane's one stream, or its shard on a cluster."""
+    layout = resolve_layout(r)
+    return layout.stream(keys.lane_key(lane, layout.shard_of(job_id)))
+
+
 def pending_of(r: redis.Redis, lane: str = "normal", group: str = keys.DEFAULT_GROUP) -> dict[str, int]:
     """Entries each consumer holds on a lane (summed over its shards on a cluster)."""
     out: dict[str, int] = {}

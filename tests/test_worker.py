@@ -15,7 +15,7 @@ import redis
 
 from pagestream.producer import JobStatus
 from pagestream.producer import keys
-from tests.queue_helpers import assert_contiguous, wait_for
+from tests.queue_helpers import assert_contiguous, stream_of_job, wait_for
 from pagestream.worker.fake_engine import FakeConfig, FakeEngine
 from pagestream.worker.settings import WorkerSettings
 from pagestream.worker.worker import Worker
@@ -101,7 +101,7 @@ def test_fuzz_malformed_entries_end_in_dlq_and_worker_keeps_serving(r, redis_url
 @pytest.mark.also_on_cluster
 def test_poison_job_is_dead_lettered_after_max_deliveries(r, redis_url, producer):
     jid = producer.submit(prompt="poison", max_tokens=2)
-    stream = keys.jobs_stream("normal")
+    stream = stream_of_job(r, jid)
     r.xgroup_create(stream, "workers", id="0")
     # three earlier deliveries to consumers that died holding it (XCLAIM bumps the counter)
     (entry_id, _), = r.xreadgroup("workers", "dead-1", {stream: ">"})[0][1]
@@ -319,11 +319,12 @@ def test_job_that_breaks_the_engine_step_is_dead_lettered_and_others_complete(r,
     assert json.loads(fields[b"meta"])["job_id"] == poison
 
 
+@pytest.mark.also_on_cluster
 def test_restart_under_the_same_name_recovers_its_own_pel_at_once(r, redis_url, producer):
     ids = [producer.submit(prompt=f"own {i}", max_tokens=3, seed=i) for i in range(3)]
-    stream = keys.jobs_stream("normal")
-    r.xgroup_create(stream, "workers", id="0")
-    r.xreadgroup("workers", "w1", {stream: ">"}, count=3)  # a previous w1 read them and died
+    for stream in {stream_of_job(r, j) for j in ids}:
+        r.xgroup_create(stream, "workers", id="0")
+        r.xreadgroup("workers", "w1", {stream: ">"}, count=3)  # a previous w1 read them and died
     w = make_worker(r, redis_url, consumer="w1", lease_ms=600_000)  # a lease that would never expire here
     w.run(burst=True)
     for j in ids:
@@ -331,13 +332,14 @@ def test_restart_under_the_same_name_recovers_its_own_pel_at_once(r, redis_url, 
         assert res.status == JobStatus.COMPLETED and res.deliveries == 2
 
 
+@pytest.mark.also_on_cluster
 def test_worker_drops_a_job_whose_lease_another_consumer_took(r, redis_url, producer):
     w = make_worker(r, redis_url, engine=FakeEngine(FakeConfig(max_num_seqs=2)), max_num_seqs=2, lease_ms=3000)
     jid = producer.submit(prompt="contested", max_tokens=50, seed=1)
     try:
         w.run(max_steps=2)
         assert w.engine.stats().num_running == 1
-        stream = keys.jobs_stream("normal")
+        stream = stream_of_job(r, jid)
         (entry,) = r.xpending_range(stream, "workers", "-", "+", 10)
         r.xclaim(stream, "workers", "thief", 0, [entry["message_id"]])  # a live thief: idle < lease below
         wait_for(lambda: w._lost, 5, "the lease refresh to notice")
