@@ -236,6 +236,34 @@ def sweep_decode(setup: DecodeSetup):
               + " ".join(f"{ns}:{res[(ns, 64, 4, 3)] * 1e3:.1f}" for ns in (1, 2, 3, 4, 8)), flush=True)
 
 
+def sweep_decode_d64(copy_gbps: float):
+    """Llama-3.2-1B's decode attention (32 query heads over 8 KV heads of 64): 256 sequences at
+    the contexts of the 1B workloads, every tile config, against the copy rate."""
+    setup = DecodeSetup(256 * 1024, num_kv_heads=8, head_dim=64)
+    rows = []
+    for batch, ctx in [(256, 512), (256, 768), (256, 1024)]:
+        kv_bytes = batch * ctx * 8 * 64 * 2 * 2
+        default_ms, _ = decode_ms(setup, batch, ctx, eager=False)
+        res = {}
+        for block_n in (32, 64, 128, 256):
+            for warps in (2, 4, 8):
+                for stages in (2, 3, 4):
+                    try:
+                        ms, _ = decode_ms(setup, batch, ctx, eager=False, block_n=block_n, num_warps=warps, num_stages=stages)
+                    except Exception as e:  # out of shared memory / registers
+                        print(f"d64 b={batch} ctx={ctx} {block_n}/{warps}/{stages}: {type(e).__name__}", flush=True)
+                        continue
+                    res[(block_n, warps, stages)] = ms
+                    rows.append({"batch": batch, "ctx": ctx, "block_n": block_n, "warps": warps, "stages": stages,
+                                 "graph_ms": ms, "frac_copy": kv_bytes / (ms * 1e-3) / 1e9 / copy_gbps})
+        best = min(res, key=res.get)
+        print(f"sweep d64 b={batch} ctx={ctx}: default {default_ms * 1e3:.1f} us "
+              f"({kv_bytes / (default_ms * 1e-3) / 1e9 / copy_gbps:.2f} of copy); best {res[best] * 1e3:.1f} us "
+              f"({kv_bytes / (res[best] * 1e-3) / 1e9 / copy_gbps:.2f} of copy) at block_n/warps/stages={best}", flush=True)
+        rows.append({"batch": batch, "ctx": ctx, "default_ms": default_ms, "best": list(best), "best_ms": res[best]})
+    RESULTS["sweep_d64"] = rows
+
+
 def prefill_inputs(batch, seqlen, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, q_len=None):
     q_len = q_len or seqlen
     k = torch.randn(batch, seqlen, num_kv_heads, head_dim, device=DEV, dtype=BF16)
@@ -351,6 +379,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="checks and a small timing set only")
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs")
+    ap.add_argument("--sweep-d64-only", action="store_true", help="only the head_dim-64 decode tile sweep (1B shape)")
     ap.add_argument("--no-fp16", action="store_true", help="check bf16 only")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_kernels.json"))
     args = ap.parse_args()
@@ -360,6 +389,13 @@ def main():
                       "torch": torch.__version__, "triton": triton.__version__}
     print(RESULTS["env"], flush=True)
     torch.manual_seed(0)
+    if args.sweep_d64_only:
+        copy = copy_rate_gbps()
+        RESULTS["copy_GBps"] = copy
+        sweep_decode_d64(copy)
+        with open(args.json, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+        return 0
     ok = check_all(BF16)
     if not args.no_fp16:
         ok &= check_all(torch.float16)

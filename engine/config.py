@@ -63,6 +63,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.85
     kv_cache_bytes: int = 512 * 2**20
+    # vLLM takes 1024 on cards of >= 70 GiB; here 1,000 lognormal requests on the H200 ran 0.32 of
+    # the floor at 1024 against 0.38 at 256 (BENCHMARKS.md; not profiled: steps past 512 rows
+    # run without CUDA graphs, and the host's share of a step grows with the batch)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None

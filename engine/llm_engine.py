@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from pagestream.engine.block_manager import BlockManager
 from pagestream.engine.config import EngineConfig
 from pagestream.engine.detokenizer import IncrementalDetokenizer
+from pagestream.engine.input_processor import EngineLimits, InputProcessor
 from pagestream.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagestream.engine.sampling_params import SamplingParams
 from pagestream.engine.scheduler import Scheduler
@@ -86,6 +87,9 @@ class LLMEngine:
             self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.max_model_len
         )
         self.vocab_size = self.runner.vocab_size
+        self.limits = EngineLimits(self.vocab_size, self.config.max_model_len, self.config.max_num_seqs,
+                                   self.config.block_size, self.block_manager.num_blocks, self.config.enable_prefix_caching)
+        self.inputs = InputProcessor(self.tokenizer, self.limits, self.config.model)
         self._requests: dict[str, _Request] = {}
         self._arrival = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
@@ -102,23 +106,6 @@ class LLMEngine:
         return self.config.max_model_len
 
     # ---- input -------------------------------------------------------------------
-    def _tokenize(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("a request needs a prompt or prompt_token_ids")
-            if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.config.model} has no tokenizer: pass prompt_token_ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError("the prompt is empty: it must have at least 1 token")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
-        return ids
-
     def add_request(
         self,
         request_id: str,
@@ -133,32 +120,12 @@ class LLMEngine:
         their text counts as already emitted."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self._tokenize(prompt, prompt_token_ids)
-        max_len = self.config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but max_model_len is {max_len}: "
-                f"a prompt may have at most {max_len - 1} tokens"
-            )
-        resume = list(resume_token_ids or [])
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in resume):
-            raise ValueError(f"resume_token_ids must be integers in [0, {self.vocab_size})")
-        if len(ids) + len(resume) >= max_len:
-            raise ValueError(f"prompt + resumed tokens ({len(ids) + len(resume)}) must stay below max_model_len {max_len}")
-        need = self.block_manager.blocks_needed(len(ids) + len(resume) + 1)
-        if need > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt needs {need} KV blocks but the whole pool has {self.block_manager.num_blocks}; "
-                "shorten it or give the engine more KV memory"
-            )
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({self.config.max_num_seqs})")
-        if params.n > 1 and resume:
-            raise ValueError("resume_token_ids is only supported with n == 1")
+        ids, resume, params = self.inputs.process(prompt, params, prompt_token_ids, resume_token_ids)
+        self.add_checked_request(request_id, prompt, ids, resume, params, priority)
 
+    def add_checked_request(self, request_id: str, prompt: str | None, ids: list[int], resume: list[int],
+                            params: SamplingParams, priority: int = 0) -> None:
+        """Queue a request that ``InputProcessor.process`` has already checked and tokenized."""
         arrival = next(self._arrival)
         seqs, detoks = [], []
         for i in range(params.n):
@@ -189,19 +156,7 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError(f"model {self.config.model} has no tokenizer, so no chat template")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"the tokenizer of {self.config.model} has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return self.inputs.chat_token_ids(messages)
 
     def add_chat_request(self, request_id: str, messages: list[dict], params: SamplingParams | None = None, **kwargs) -> None:
         self.add_request(request_id, prompt_token_ids=self.apply_chat_template(messages), params=params, **kwargs)

@@ -93,9 +93,14 @@ class Sampler:
         """
         # logits: [num_seqs, vocab] float32 (the model's raw output for each row's last position)
         params = [s.params for s in seqs]
-        logits = logits[:, : self.vocab_size].float()
         logprob_k = [p.logprobs for p in params]
         want_logprobs = any(k is not None for k in logprob_k)
+        if (not want_logprobs and all(p.greedy and not p.uses_penalties for p in params)
+                and not any(s.num_planned_output_tokens < s.params.min_tokens for s in seqs)):
+            # Greedy only: argmax in the model's dtype picks the same token as in fp32 (the
+            # conversion is exact and keeps order), without an fp32 copy of every row's logits.
+            return DeviceSample(logits[:, : self.vocab_size].argmax(dim=-1), logprob_k)
+        logits = logits[:, : self.vocab_size].float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
         if any(p.uses_penalties for p in params):

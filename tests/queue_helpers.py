@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,6 +58,26 @@ class WorkerProc:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+
+def engine_core_pid(w: WorkerProc) -> int:
+    """The pid of a worker's engine core process (``--engine-process``), from its log."""
+    m = re.search(r"engine core ready \(pid (\d+)\)", w.log())
+    assert m, f"worker {w.consumer} logged no engine core:\n{w.log()}"
+    return int(m.group(1))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie has exited; only its parent's wait is missing
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
 
 
 def wait_for(cond: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:

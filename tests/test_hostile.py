@@ -28,7 +28,7 @@ def make_worker(r, redis_url, **kw) -> Worker:
     kw.setdefault("consumer", "w1")
     kw.setdefault("publish_interval_ms", 2)
     settings = WorkerSettings(redis_url=redis_url, **kw)
-    return Worker(r, FakeEngine(FakeConfig(max_num_seqs=settings.max_num_seqs)), settings)
+    return Worker(r, FakeEngine(FakeConfig(max_num_seqs=settings.max_num_seqs or 8)), settings)
 
 
 def _raw_job(job_id: str, extra: bytes = b"") -> bytes:

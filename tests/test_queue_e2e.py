@@ -16,7 +16,7 @@ import pytest
 
 from pagestream.producer import JobStatus, Producer
 from pagestream.producer import keys
-from tests.queue_helpers import ROOT, WorkerProc, assert_contiguous, lane_group, pending_of, wait_for
+from tests.queue_helpers import ROOT, WorkerProc, assert_contiguous, engine_core_pid, lane_group, pending_of, pid_alive, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.also_on_cluster]
 
@@ -81,7 +81,8 @@ print(len(ids))
 
 def test_end_to_end_two_producers_two_workers(r, redis_url, producer, workers, tiny_llama_dir, reference_llm):
     specs = [_spec(i, max_tokens=8) for i in range(50)]
-    w1 = workers(redis_url, tiny_llama_dir, "e2e-w1", "--max-num-seqs", "8")
+    # one worker runs its engine core in a process of its own: both give the same results
+    w1 = workers(redis_url, tiny_llama_dir, "e2e-w1", "--max-num-seqs", "8", "--engine-process")
     w2 = workers(redis_url, tiny_llama_dir, "e2e-w2", "--max-num-seqs", "8")
     w1.wait_ready()
     w2.wait_ready()
@@ -109,10 +110,11 @@ def test_end_to_end_two_producers_two_workers(r, redis_url, producer, workers, t
 
 def test_kill9_worker_loses_nothing_and_seeded_jobs_resume_exactly(r, redis_url, producer, workers, tiny_llama_dir, reference_llm):
     specs = [_spec(i, max_tokens=48) for i in range(1, 13)]
-    wa = workers(redis_url, tiny_llama_dir, "crash-a", "--max-num-seqs", "6", "--lease-ms", "1500")
+    wa = workers(redis_url, tiny_llama_dir, "crash-a", "--max-num-seqs", "6", "--lease-ms", "1500", "--engine-process")
     wb = workers(redis_url, tiny_llama_dir, "crash-b", "--max-num-seqs", "6", "--lease-ms", "1500")
     wa.wait_ready()
     wb.wait_ready()
+    core_pid = engine_core_pid(wa)
     seen: dict[str, list] = {}
 
     def subscribe(jid: str) -> None:
@@ -131,6 +133,8 @@ def test_kill9_worker_loses_nothing_and_seeded_jobs_resume_exactly(r, redis_url,
     wait_for(a_is_mid_job, 120, "worker a to hold running jobs with published tokens")
     held = pending_of(r)["crash-a"]
     wa.kill9()
+    # the worker's engine core notices its caller is gone and exits (no orphan holding the device)
+    wait_for(lambda: not pid_alive(core_pid), 30, "the killed worker's engine core to exit")
     expected = _reference_texts(reference_llm, specs)
     results = {s["job_id"]: producer.result(s["job_id"], timeout=180) for s in specs}
     for t in subs:

@@ -25,7 +25,7 @@ def make_worker(r, redis_url, engine=None, **kw) -> Worker:
     kw.setdefault("consumer", "w1")
     kw.setdefault("publish_interval_ms", 2)
     settings = WorkerSettings(redis_url=redis_url, **kw)
-    engine = engine or FakeEngine(FakeConfig(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len or 512))
+    engine = engine or FakeEngine(FakeConfig(max_num_seqs=settings.max_num_seqs or 8, max_model_len=settings.max_model_len or 512))
     return Worker(r, engine, settings)
 
 

@@ -46,7 +46,9 @@ def _wopt(flag: str, field: str, help: str, default: str):
 
 
 def build_engine(settings) -> object:
-    """The engine a worker drives: ``--model fake[:step_ms]`` is the instant fake (tests, benchmarks)."""
+    """The engine a worker drives: ``--model fake[:step_ms]`` is the instant fake (tests, benchmarks).
+
+    Resolves ``settings.max_num_seqs`` to what the engine took, so the worker reads as many jobs."""
     model = settings.model
     if not model:
         raise typer.BadParameter("--model is required (an HF model directory, or 'fake')")
@@ -54,19 +56,31 @@ def build_engine(settings) -> object:
         from pagestream.worker.fake_engine import FakeConfig, FakeEngine
 
         delay_ms = float(model.split(":", 1)[1]) if ":" in model else 0.0
+        settings.max_num_seqs = settings.max_num_seqs or FakeConfig.max_num_seqs
         return FakeEngine(FakeConfig(max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len or 512, step_delay_s=delay_ms / 1000))
+    import torch
+
     from pagestream.engine import EngineConfig, LLMEngine
 
+    on_gpu = settings.device.startswith("cuda") or (settings.device == "auto" and torch.cuda.is_available())
     extra = {"max_num_batched_tokens": settings.max_num_batched_tokens} if settings.max_num_batched_tokens else {}
     try:
         config = EngineConfig(
-            model=model, device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_num_seqs,
+            model=model, device=settings.device, dtype=settings.dtype,
+            max_num_seqs=settings.max_num_seqs or (256 if on_gpu else 8),
             max_model_len=settings.max_model_len, seed=settings.seed, block_size=settings.block_size,
             gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager, **extra,
         )
+        if settings.engine_process if settings.engine_process is not None else on_gpu:
+            from pagestream.engine.core_process import EngineProcess
+
+            engine = EngineProcess(config)
+        else:
+            engine = LLMEngine(config)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    return LLMEngine(config)
+    settings.max_num_seqs = engine.config.max_num_seqs
+    return engine
 
 
 @app.command()
@@ -84,7 +98,12 @@ def worker(
     block_size: Optional[int] = _wopt("--block-size", "block_size", "tokens per KV block", "16"),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", envvar="PAGESTREAM_ENFORCE_EAGER", show_envvar=True,
                                        help="no CUDA graphs for decode steps"),
-    max_num_seqs: Optional[int] = _wopt("--max-num-seqs", "max_num_seqs", "sequences the engine runs at once", "8"),
+    engine_process: Optional[bool] = typer.Option(
+        None, "--engine-process/--no-engine-process", envvar="PAGESTREAM_ENGINE_PROCESS", show_envvar=True,
+        show_default="on with CUDA, off on the CPU",
+        help="run the engine core in its own process, so queue work never holds the GIL its step needs"),
+    max_num_seqs: Optional[int] = _wopt("--max-num-seqs", "max_num_seqs", "sequences the engine runs at once",
+                                        "256 on a GPU, 8 on the CPU"),
     max_model_len: Optional[int] = _wopt("--max-model-len", "max_model_len", "longest prompt + output, in tokens",
                                          "the model's"),
     consumer: Optional[str] = _wopt("--consumer", "consumer", "consumer name in the group (unique per worker)", "host-pid"),
@@ -105,6 +124,7 @@ def worker(
                                   help="DEBUG | INFO | WARNING | ERROR"),
 ) -> None:
     """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
+    from pagestream.engine.outputs import EngineDeadError
     from pagestream.producer.redis_conn import connect
     from pagestream.worker.settings import WorkerSettings
     from pagestream.worker.worker import Worker
@@ -117,6 +137,7 @@ def worker(
         "max_deliveries": max_deliveries, "drain_timeout_s": drain_timeout, "prefetch": prefetch,
         "publish_interval_ms": publish_interval_ms, "dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization,
         "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size, "enforce_eager": enforce_eager or None,
+        "engine_process": engine_process,
     }
     settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
     engine = build_engine(settings)
@@ -129,9 +150,17 @@ def worker(
 
     announcer = start_announcer(client, settings, engine)
     print(f"worker {settings.consumer} ready", flush=True)
-    w.run(burst=burst)
-    if announcer is not None:
-        announcer.stop()
+    try:
+        w.run(burst=burst)
+    except EngineDeadError as exc:  # its jobs were handed back for other workers; say why in one line
+        logging.getLogger("pagestream").error("worker %s stopped: %s", settings.consumer, exc)
+        raise typer.Exit(1) from None
+    finally:
+        if announcer is not None:
+            announcer.stop()
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
     print(f"worker {settings.consumer} stopped after {w.num_steps} steps, {w.num_completed} jobs", flush=True)
 
 

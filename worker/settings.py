@@ -35,7 +35,9 @@ class WorkerSettings(BaseSettings):
     lanes: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(keys.LANES))  # env: high,normal
 
     # engine limits (EngineConfig's meaning; None: the engine's default)
-    max_num_seqs: int = Field(8, ge=1)
+    # None: 256 on a GPU; 8 on the CPU, where a step over many sequences is slow and the queue
+    # is better shared among workers
+    max_num_seqs: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     seed: int = 0
     dtype: str = "auto"  # auto: fp32 on the CPU, the checkpoint's dtype (bf16 for fp32 ones) on CUDA
@@ -43,6 +45,9 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     block_size: int = Field(16, ge=1)
     enforce_eager: bool = False  # no CUDA graphs for decode
+    # run the engine core in a process of its own (engine.core_process), so the worker's Redis
+    # I/O and threads never hold the GIL its step needs; None: on for CUDA, off on the CPU
+    engine_process: bool | None = None
 
     # queue behaviour
     prefetch: int = Field(2, ge=0)  # entries read beyond what the engine can admit now

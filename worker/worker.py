@@ -18,6 +18,7 @@ from typing import Any
 
 import redis
 
+from pagestream.engine.outputs import EngineDeadError
 from pagestream.producer.schema import JobStatus
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
@@ -38,6 +39,8 @@ class Worker:
     def __init__(self, client: redis.Redis, engine: Any, settings: WorkerSettings, sink: Any = None,
                  metrics: WorkerMetrics | None = None) -> None:
         self.redis, self.engine, self.settings, self.name = client, engine, settings, settings.consumer
+        if settings.max_num_seqs is None:  # read as many jobs as the engine runs at once
+            settings.max_num_seqs = engine.config.max_num_seqs
         self.metrics = metrics or WorkerMetrics()
         self.state = LoopState()
         self.consumer = Consumer(client, settings)
@@ -90,6 +93,8 @@ class Worker:
                 try:
                     did_work = self._iteration(block=not burst)
                     backoff = 0.1
+                except EngineDeadError:
+                    raise  # nothing can run here any more: stop, and let the teardown hand every job back
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
                     self._sleep(backoff)

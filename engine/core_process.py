@@ -1,0 +1,328 @@
+"""The engine in a process of its own, driven through ``LLMEngine``'s interface.
+
+    engine = EngineProcess(EngineConfig(model=...))      # spawns the engine core, waits for it
+    engine.add_request("job-1", prompt="Hi", params=SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...                     # incremental RequestOutputs, as LLMEngine's
+    engine.close()
+
+Why: a queue worker spends host time of its own on every step (Redis reads and writes,
+publishing, per-job bookkeeping) and runs a publisher and a control thread. In one process
+all of that shares a GIL with the engine's step, so the GPU waits whenever the worker's
+Python runs. Here the core (scheduler, model runner, sampler, detokenizer: a plain
+``LLMEngine``) loops in its own process, stepping back to back while it has work, and the
+caller's side only checks and tokenizes inputs and reads the outputs, as vLLM v1 splits
+its engine core from the front end.
+
+The core does what ``LLMEngine.step`` does, detokenization and stop strings included, so
+outputs are the same as in one process. Messages are tuples over a ``multiprocessing`` pipe,
+a reader thread on each side: the core never waits for the caller to read, and a burst of
+requests never waits for the core's step to end. Outputs carry only what changed
+(request ids are small integers; prompts stay on the caller's side).
+
+A core that dies (CUDA error, OOM-kill) makes every later call raise ``EngineDeadError``;
+a caller that dies closes the pipe and the core exits.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+from pagestream.engine.config import EngineConfig
+from pagestream.engine.input_processor import EngineLimits, InputProcessor
+from pagestream.engine.outputs import CompletionOutput, EngineDeadError, EngineStats, RequestOutput
+from pagestream.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_STATS_EVERY_S = 0.05  # the core sends EngineStats at most this often while it steps
+_START_TIMEOUT_S = 1800.0  # loading a large model and capturing graphs can take minutes
+
+
+# ---- the core's side ---------------------------------------------------------------------
+
+def _compact(out: RequestOutput) -> tuple:
+    # prompt and prompt ids stay on the caller's side: only what changed crosses the pipe
+    return (int(out.request_id), out.finished, out.error, out.metrics or None,
+            [(c.index, c.text, c.token_ids, c.first_token_index, c.cumulative_logprob, c.logprobs,
+              c.finish_reason, c.stop_reason) for c in out.outputs])
+
+
+def _core_main(conn, config: EngineConfig, log_level: int) -> None:
+    """The engine core: build the engine, then step while there is work and apply what arrives."""
+    # The caller owns the core's life: Ctrl-C in a terminal (SIGINT to the whole process group)
+    # or a SIGTERM must reach the worker's warm stop, not kill its engine mid-step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine-core]: %(message)s")
+    try:
+        from pagestream.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+    except BaseException as exc:  # the caller raises it: a bad model, OOM, no GPU
+        conn.send(("failed", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return
+    conn.send(("ready", engine.limits, engine.config))
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read_inputs() -> None:  # unpickling a burst of requests happens beside the step
+        try:
+            while True:
+                inbox.put(conn.recv())
+        except (EOFError, OSError):
+            inbox.put(("eof",))  # the caller is gone (or closed): stop
+
+    threading.Thread(target=read_inputs, name="engine-core-inputs", daemon=True).start()
+    try:
+        _serve(engine, conn, inbox)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the caller is gone: nobody to report to
+
+
+def _serve(engine, conn, inbox: queue.SimpleQueue) -> None:
+    last_stats = 0.0
+    while True:
+        msgs = [inbox.get()] if not engine.has_unfinished_requests() else []
+        while True:
+            try:
+                msgs.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        for msg in msgs:
+            kind = msg[0]
+            if kind == "add":
+                for rid, prompt, ids, resume, params, priority in msg[1]:
+                    try:
+                        engine.add_checked_request(str(rid), prompt, ids, resume, params, priority)
+                    except Exception as exc:  # checked on the caller's side; an engine bug fails this request only
+                        conn.send(("out", [(rid, True, f"{type(exc).__name__}: {exc}", None, [])], None))
+            elif kind == "abort":
+                for rid in msg[1]:
+                    engine.abort_request(str(rid))
+            elif kind in ("shutdown", "eof"):
+                return
+        if not engine.has_unfinished_requests():
+            conn.send(("out", [], engine.stats()))
+            continue
+        try:
+            outs = engine.step()
+        except Exception:  # the caller treats it as LLMEngine.step raising; the core goes on
+            conn.send(("step_error", traceback.format_exc()))
+            continue
+        now = time.monotonic()
+        stats = None
+        if now - last_stats >= _STATS_EVERY_S or not engine.has_unfinished_requests():
+            stats, last_stats = engine.stats(), now
+        if outs or stats is not None:
+            conn.send(("out", [_compact(o) for o in outs], stats))
+
+
+# ---- the caller's side ---------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Live:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    num_seqs: int
+
+
+class EngineProcess:
+    """``LLMEngine``'s interface (add_request, abort_request, step, has_unfinished_requests,
+    num_admittable, stats) over an engine core in a spawned process."""
+
+    def __init__(self, config: EngineConfig, start_timeout_s: float = _START_TIMEOUT_S) -> None:
+        from pagestream.engine.llm_engine import _load_tokenizer  # no torch: transformers' tokenizer only
+
+        ctx = mp.get_context("spawn")  # CUDA does not survive fork
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(target=_core_main, args=(child, config, logging.getLogger("pagestream").getEffectiveLevel()),
+                                 name="pagestream-engine-core", daemon=False)  # the core may spawn ranks of its own
+        self._proc.start()
+        child.close()
+        self.tokenizer = _load_tokenizer(config.tokenizer_path)
+        if not self._conn.poll(start_timeout_s):
+            self._kill()
+            raise EngineDeadError(f"the engine core did not start within {start_timeout_s:.0f} s")
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise EngineDeadError(f"the engine core exited while starting (exit code {self._proc.exitcode})") from None
+        if msg[0] == "failed":
+            self._proc.join(30)
+            logger.debug("engine core start-up failed:\n%s", msg[2])
+            # what was wrong with the configuration, as LLMEngine(config) would have raised it
+            raise (ValueError if msg[1].startswith("ValueError") else RuntimeError)(msg[1].split(": ", 1)[-1])
+        _, self.limits, self.config = msg
+        self.limits: EngineLimits
+        self.inputs = InputProcessor(self.tokenizer, self.limits, self.config.model)
+        logger.info("engine core ready (pid %d): %d KV blocks, max_num_seqs %d", self._proc.pid, self.limits.num_blocks,
+                    self.limits.max_num_seqs)
+        self._ids = itertools.count()
+        self._handles: dict[str, int] = {}  # request id -> the core's id for it
+        self._live: dict[int, _Live] = {}
+        self._num_live_seqs = 0
+        self._to_add: list[tuple] = []
+        self._local: list[RequestOutput] = []  # abort outputs, reported at the next step as LLMEngine does
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stats: EngineStats | None = None
+        self._dead: str | None = None
+        self._closing = False
+        threading.Thread(target=self._read_outputs, name="engine-core-outputs", daemon=True).start()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @property
+    def core_pid(self) -> int | None:
+        return self._proc.pid
+
+    # ---- input ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, resume_token_ids: list[int] | None = None,
+                    priority: int = 0) -> None:
+        """As ``LLMEngine.add_request``: checked and tokenized here (ValueError at once); sent with the next step."""
+        self._check_alive()
+        if request_id in self._handles:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        ids, resume, params = self.inputs.process(prompt, params, prompt_token_ids, resume_token_ids)
+        rid = next(self._ids)
+        self._handles[request_id] = rid
+        self._live[rid] = _Live(request_id, prompt, ids, params.n)
+        self._num_live_seqs += params.n
+        self._to_add.append((rid, prompt, ids, resume, params, priority))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.inputs.chat_token_ids(messages)
+
+    def add_chat_request(self, request_id: str, messages: list[dict], params: SamplingParams | None = None, **kwargs) -> None:
+        self.add_request(request_id, prompt_token_ids=self.apply_chat_template(messages), params=params, **kwargs)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request; its final output (finish_reason 'abort') comes with the next step."""
+        rid = self._handles.pop(request_id, None)
+        if rid is None:
+            return False
+        live = self._live.pop(rid)
+        self._num_live_seqs -= live.num_seqs
+        queued = [a for a in self._to_add if a[0] == rid]
+        if queued:  # never sent: nothing to stop in the core
+            self._to_add.remove(queued[0])
+        elif self._dead is None:
+            self._send(("abort", [rid]))
+        self._local.append(RequestOutput(request_id, live.prompt, live.prompt_token_ids,
+                                         [CompletionOutput(i, "", [], finish_reason="abort") for i in range(live.num_seqs)],
+                                         True))
+        return True
+
+    # ---- the step ---------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live) or bool(self._local)
+
+    def num_admittable(self) -> int:
+        """As ``LLMEngine.num_admittable``: 0 while the core reports requests waiting."""
+        if self._stats is not None and self._stats.num_waiting:
+            return 0
+        return max(0, self.limits.max_num_seqs - self._num_live_seqs)
+
+    def step(self, timeout_s: float = 0.05) -> list[RequestOutput]:
+        """Send what was added, then return the outputs the core has produced since the last call
+        (waiting up to ``timeout_s`` for the first of them)."""
+        self._check_alive()
+        if self._to_add:
+            batch, self._to_add = self._to_add, []
+            self._send(("add", batch))
+        outputs, self._local = self._local, []
+        msgs = []
+        try:
+            msgs.append(self._outbox.get(timeout=timeout_s) if self._live and not outputs else self._outbox.get_nowait())
+            while True:
+                msgs.append(self._outbox.get_nowait())
+        except queue.Empty:
+            pass
+        for msg in msgs:
+            if msg[0] == "dead":
+                self._dead = msg[1]
+                raise EngineDeadError(msg[1])
+            if msg[0] == "step_error":
+                raise RuntimeError(f"engine core step failed:\n{msg[1]}")
+            _, outs, stats = msg
+            if stats is not None:
+                self._stats = stats
+            for rid, finished, error, metrics, comps in outs:
+                live = self._live.get(rid)
+                if live is None:
+                    continue  # aborted here while its tokens were on the way
+                outputs.append(RequestOutput(
+                    live.request_id, live.prompt, live.prompt_token_ids,
+                    [CompletionOutput(i, text, ids, first, cum, lps, fin, stop) for i, text, ids, first, cum, lps, fin, stop in comps],
+                    finished, error=error, metrics=metrics or {},
+                ))
+                if finished:
+                    del self._live[rid]
+                    del self._handles[live.request_id]
+                    self._num_live_seqs -= live.num_seqs
+        return outputs
+
+    def stats(self) -> EngineStats:
+        self._check_alive()
+        if self._stats is None:
+            lim = self.limits
+            return EngineStats(0, 0, lim.num_blocks, lim.num_blocks, 0.0, 0.0, 0, 0, 0, 0)
+        return self._stats
+
+    # ---- plumbing ------------------------------------------------------------------------
+    def _read_outputs(self) -> None:
+        try:
+            while True:
+                self._outbox.put(self._conn.recv())
+        except (EOFError, OSError):
+            pass
+        self._proc.join(5)
+        code = self._proc.exitcode
+        if code != 0 or not self._closing:
+            self._outbox.put(("dead", f"the engine core process exited (exit code {code})"))
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            self._conn.send(msg)
+        except (BrokenPipeError, OSError) as exc:
+            self._dead = f"the engine core process is gone ({type(exc).__name__})"
+            raise EngineDeadError(self._dead) from None
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def _kill(self) -> None:
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(5)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the core (its requests are dropped) and wait for it to exit."""
+        self._closing = True
+        if self._proc.is_alive() and self._dead is None:
+            try:
+                self._conn.send(("shutdown",))
+            except (BrokenPipeError, OSError):
+                pass
+            self._proc.join(timeout_s)
+        self._kill()
+        self._conn.close()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,100 @@
+"""A request's input checked and tokenized before it reaches the scheduler (plain Python, no torch).
+
+``LLMEngine`` runs it in its own process; an engine in another process (``engine.core_process``)
+runs it on the caller's side, so a bad request still raises ``ValueError`` at ``add_request``
+and tokenization never takes time from the process that drives the GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagestream.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineLimits:
+    """What a request is checked against: the engine's sizes once its KV pool is known."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, limits: EngineLimits, model: str) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.model = model
+
+    def tokenize(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        vocab = self.limits.vocab_size
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("a request needs a prompt or prompt_token_ids")
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model} has no tokenizer: pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("the prompt is empty: it must have at least 1 token")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        return ids
+
+    def process(
+        self,
+        prompt: str | None,
+        params: SamplingParams | None,
+        prompt_token_ids: list[int] | None,
+        resume_token_ids: list[int] | None,
+    ) -> tuple[list[int], list[int], SamplingParams]:
+        """(prompt ids, resumed output ids, params) of a request the engine can run; ValueError otherwise."""
+        lim = self.limits
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = self.tokenize(prompt, prompt_token_ids)
+        max_len = lim.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {max_len}: "
+                f"a prompt may have at most {max_len - 1} tokens"
+            )
+        resume = list(resume_token_ids or [])
+        if any(not isinstance(t, int) or not 0 <= t < lim.vocab_size for t in resume):
+            raise ValueError(f"resume_token_ids must be integers in [0, {lim.vocab_size})")
+        if len(ids) + len(resume) >= max_len:
+            raise ValueError(f"prompt + resumed tokens ({len(ids) + len(resume)}) must stay below max_model_len {max_len}")
+        need = -(-(len(ids) + len(resume) + 1) // lim.block_size)
+        if need > lim.num_blocks:
+            raise ValueError(
+                f"prompt needs {need} KV blocks but the whole pool has {lim.num_blocks}; "
+                "shorten it or give the engine more KV memory"
+            )
+        if params.n > lim.max_num_seqs:
+            raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({lim.max_num_seqs})")
+        if params.n > 1 and resume:
+            raise ValueError("resume_token_ids is only supported with n == 1")
+        return ids, resume, params
+
+    def chat_token_ids(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.model} has no tokenizer, so no chat template")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"the tokenizer of {self.model} has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
