@@ -119,6 +119,7 @@ def call_script(script: Any, keys_: list, args: list, client: Any) -> Any:
         return queue_script(client, "EVAL", script.script, keys_, args)
     return script(keys=keys_, args=args, client=client)
 
+
 #: doorbell entries kept (keys.lane_bell); a worker only needs the newest id
 BELL_MAXLEN = 1000
 
@@ -324,7 +325,9 @@ class ProducerCore:
                        {"maxlen": BELL_MAXLEN, "approximate": True}, on=pipe)
         n_rings = len({job.model or "" for job, _, _ in placed})
         settled = (yield Call("execute", on=pipe))[:-n_rings]
-        losers = [(stream, _s(eid)) for (_, _, stream), eid, (won, *_) in zip(placed, entry_ids, settled) if not int(won)]
+        # a lost claim names the winner; none named (the hash expired meanwhile): keep the entry, a worker runs it
+        losers = [(stream, _s(eid)) for (_, _, stream), eid, (won, winner, _) in zip(placed, entry_ids, settled)
+                  if not int(won) and winner]
         if losers:  # another entry of the job (an earlier attempt's) is the one that runs
             pipe = yield Call("pipeline", kwargs={"transaction": False})
             for stream, eid in losers:
