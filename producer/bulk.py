@@ -25,9 +25,9 @@ import redis
 from pydantic import BaseModel, Field
 
 from pagestream.producer import keys
+from pagestream.producer.bulk_rq import BULK_QUEUE, RUN_BULK_FUNC, bulk_queue, fetch_job_status, rq_connection
 from pagestream.producer.bulk_storage import AddressingStyle, StorageSettings
 from pagestream.producer.redis_conn import connect
-from pagestream.producer.bulk_rq import BULK_QUEUE, RUN_BULK_FUNC, bulk_queue, fetch_job_status, rq_connection
 from pagestream.producer.schema import Lane
 
 #: orchestrator lease: a dead orchestrator's bulk is picked up again this long after its last heartbeat

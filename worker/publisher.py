@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import redis
 
 from pagestream.producer import keys
+from pagestream.producer.redis_conn import is_cluster
 from pagestream.producer.schema import JobResult, JobStatus
 from pagestream.producer.wire import end_fields, token_event_fields
-from pagestream.producer.redis_conn import is_cluster
 from pagestream.worker.consumer import Consumer, Delivery
 from pagestream.worker.slot_batch import SlotBatch
 
