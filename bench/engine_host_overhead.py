@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="an HF tokenizer directory (e.g. SmolLM2's): detokenization runs too")
     ap.add_argument("--output-kind", default="delta", choices=("delta", "final"),
                     help="delta: per-step outputs with text (the worker); final: whole outputs (LLM.generate)")
+    ap.add_argument("--core", action="store_true",
+                    help="the worker's engine core process: token ids only (its caller detokenizes), outputs pickled")
     args = ap.parse_args()
 
     from pagestream.engine import LLM, SamplingParams
@@ -50,10 +52,20 @@ def main() -> None:
               kv_cache_bytes=2**30, max_num_batched_tokens=args.num_seqs * args.prompt_len)
     engine = llm.llm_engine
     engine.runner.model = _NoOpModel(64, 1000)
+    if args.core:
+        import pickle
+
+        from pagestream.engine.core_process import _core_engine_class
+
+        # the worker's engine core: token ids only (its caller detokenizes), outputs pickled for the pipe
+        engine.__class__ = _core_engine_class()
+        engine.detokenize = False
+        plain_step = engine.step
+        engine.step = lambda: pickle.dumps(("out", plain_step(), None), protocol=pickle.HIGHEST_PROTOCOL)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True, output_kind=args.output_kind)
     for i in range(args.num_seqs):
-        engine.add_request(f"r{i}", prompt_token_ids=[rng.randrange(3, 1000) for _ in range(args.prompt_len)], params=params)
+        engine.add_request(str(i), prompt_token_ids=[rng.randrange(3, 1000) for _ in range(args.prompt_len)], params=params)
     while engine.scheduler.waiting:
         engine.step()
     engine.step()
@@ -61,7 +73,7 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     ms = (time.perf_counter() - t) / args.steps * 1000
-    print(f"host time per decode step, {args.num_seqs} sequences ({args.output_kind} outputs, "
+    print(f"host time per decode step, {args.num_seqs} sequences ({'engine core: token ids, pickled' if args.core else args.output_kind + ' outputs'}, "
           f"{'tokenizer' if args.tokenizer else 'no tokenizer'}): {ms:.2f} ms")
     # Paged-KV waste over the next steps: allocated slots that hold no token (the tail of
     # each sequence's last block), the figure PagedAttention keeps under 4%.

@@ -218,7 +218,7 @@ def lognormal(shape, n, device, args, ceil) -> dict:
     lens_in = [min(2048, max(4, int(rng.lognormvariate(5.3, 0.9)))) for _ in range(n)]
     lens_out = [min(1024, max(4, int(rng.lognormvariate(5.2, 0.9)))) for _ in range(n)]
     prompts = [[rng.randrange(3, vocab) for _ in range(i)] for i in lens_in]
-    llm = make_llm(model_dir, device, args, max_num_seqs=args.lognormal_max_num_seqs)  # None: the engine's default
+    llm = make_llm(model_dir, device, args, **({"max_num_seqs": args.lognormal_max_num_seqs} if args.lognormal_max_num_seqs else {}))
     llm.generate(prompt_token_ids=[p[:64] for p in prompts[:8]], sampling_params=SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in lens_out]
     res = {"workload": f"{shape}: {n} requests, lognormal lengths (in mean {sum(lens_in) / n:.0f}, "
@@ -404,9 +404,11 @@ def _scrape(port: int) -> dict[str, float]:
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] in want}
 
 
-def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | None, engine_process: bool = True) -> dict:
+def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | None, engine_process: bool = True,
+              worker_args=()) -> dict:
     """The fixed workload submitted to Redis and run by a `pagestream worker` process on this GPU;
-    every job's stream is read back and checked complete and in order against its result."""
+    every job's stream is read back and checked complete and in order against its result.
+    ``worker_args``: more flags for the worker (``--tensor-parallel-size 2``)."""
     import shutil
     import socket
     import subprocess
@@ -440,6 +442,7 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
         cmd += ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.85"]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    cmd += list(worker_args)
     worker = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT)
     res: dict = {"workload": f"{shape}: {n} x {in_len} -> {out_len}, submitted to Redis, one `pagestream worker`, "
                              f"engine core {'in a process of its own' if engine_process else 'in the worker process'}"}
@@ -494,7 +497,7 @@ def main():
     ap.add_argument("--output-kind", default="final", choices=("final", "delta"),
                     help="profile workloads: whole outputs (LLM.generate) or per-step deltas (the worker)")
     ap.add_argument("--lognormal-max-num-seqs", type=int, default=None,
-                    help="1b-lognormal: sequences at once (default: the engine's, 256)")
+                    help="1b-lognormal: sequences at once (default 256, as the other workloads)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     device = torch.device(args.device)

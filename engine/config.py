@@ -46,6 +46,22 @@ def resolve_model(model: str, what: str = "model") -> str:
         raise ValueError(f"{what} {model!r}: {where}, and downloading it failed: {type(exc).__name__}: {exc}") from None
 
 
+def check_tensor_parallel(hf_config: dict, tp: int) -> None:
+    """Raise ValueError unless the model splits evenly over ``tp`` ranks: attention heads and the
+    MLP's hidden width divide by tp; KV heads divide by tp, or tp by them (then each KV head is
+    replicated on tp / num_kv_heads ranks). The vocabulary is padded, so it need not divide."""
+    heads = int(hf_config["num_attention_heads"])
+    kv = int(hf_config.get("num_key_value_heads") or heads)
+    if heads % tp:
+        raise ValueError(f"num_attention_heads ({heads}) must be divisible by tensor_parallel_size ({tp})")
+    if kv % tp and tp % kv:
+        raise ValueError(f"num_key_value_heads ({kv}) and tensor_parallel_size ({tp}) must divide one another "
+                         "(KV heads are split across ranks, or replicated when there are fewer than ranks)")
+    for key in ("intermediate_size", "ffn_dim"):  # Llama-style families / OPT
+        if key in hf_config and int(hf_config[key]) % tp:
+            raise ValueError(f"{key} ({hf_config[key]}) must be divisible by tensor_parallel_size ({tp})")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs to start.
@@ -75,6 +91,9 @@ class EngineConfig:
     enforce_eager: bool = False  # on CUDA, decode steps replay captured CUDA graphs unless this is set
     # plan step N+1 while step N runs on the device (outputs come one step later); False waits for each step
     async_scheduling: bool = True
+    # GPUs one engine spans (one process each; rank 0 is this process): weights, KV heads and
+    # vocabulary split across them. On the CPU the same code runs over gloo with as many processes.
+    tensor_parallel_size: int = 1
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # filled in __post_init__
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -111,6 +130,14 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1:
+            if str(self.device).startswith("cuda:"):
+                raise ValueError(f"device {self.device!r} names one GPU; with tensor_parallel_size="
+                                 f"{self.tensor_parallel_size} rank r runs on cuda:r: pass device='cuda' (or 'auto')")
+            check_tensor_parallel(self.hf_config, self.tensor_parallel_size)
 
     @property
     def tokenizer_path(self) -> str:

@@ -9,36 +9,41 @@
 Why: a queue worker spends host time of its own on every step (Redis reads and writes,
 publishing, per-job bookkeeping) and runs a publisher and a control thread. In one process
 all of that shares a GIL with the engine's step, so the GPU waits whenever the worker's
-Python runs. Here the core (scheduler, model runner, sampler, detokenizer: a plain
-``LLMEngine``) loops in its own process, stepping back to back while it has work, and the
-caller's side only checks and tokenizes inputs and reads the outputs, as vLLM v1 splits
-its engine core from the front end.
+Python runs. Here the core (scheduler, model runner, sampler: a plain ``LLMEngine`` that
+reports token ids only) loops in its own process, stepping back to back while it has work;
+the caller's side checks and tokenizes inputs, detokenizes, and watches stop strings, as
+vLLM v1 splits its engine core from the front end.
 
-The core does what ``LLMEngine.step`` does, detokenization and stop strings included, so
-outputs are the same as in one process. Messages are tuples over a ``multiprocessing`` pipe,
-a reader thread on each side: the core never waits for the caller to read, and a burst of
-requests never waits for the core's step to end. Outputs carry only what changed
-(request ids are small integers; prompts stay on the caller's side).
+Outputs are those of ``LLMEngine`` in one process: the same token ids and text, the text
+cut at a stop string the same way (the caller runs the same ``IncrementalDetokenizer``);
+tokens the core sampled past a stop string before it heard of it are dropped. A ``step``
+merges what several core steps produced into one delta per request. Messages are tuples
+over a ``multiprocessing`` pipe with a reader thread on each side, so the core never waits
+for the caller to read, and a burst of requests never waits for the core's step to end.
+Outputs carry only what changed (request ids are small integers; prompts stay here).
 
 A core that dies (CUDA error, OOM-kill) makes every later call raise ``EngineDeadError``;
 a caller that dies closes the pipe and the core exits.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import queue
 import signal
 import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pagestream.engine.config import EngineConfig
+from pagestream.engine.detokenizer import IncrementalDetokenizer
 from pagestream.engine.input_processor import EngineLimits, InputProcessor
-from pagestream.engine.outputs import CompletionOutput, EngineDeadError, EngineStats, RequestOutput
+from pagestream.engine.errors import EngineDeadError
+from pagestream.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagestream.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,11 +54,39 @@ _START_TIMEOUT_S = 1800.0  # loading a large model and capturing graphs can take
 
 # ---- the core's side ---------------------------------------------------------------------
 
-def _compact(out: RequestOutput) -> tuple:
-    # prompt and prompt ids stay on the caller's side: only what changed crosses the pipe
-    return (int(out.request_id), out.finished, out.error, out.metrics or None,
-            [(c.index, c.text, c.token_ids, c.first_token_index, c.cumulative_logprob, c.logprobs,
-              c.finish_reason, c.stop_reason) for c in out.outputs])
+class _Compact(NamedTuple):
+    """One request's output as it crosses the pipe: only what changed, no objects to build."""
+
+    rid: int
+    finished: bool
+    error: str | None
+    metrics: dict | None
+    comps: list  # per sample: (index, new token ids, cumulative logprob, logprobs, finish_reason, stop_reason)
+
+
+def _core_engine_class():
+    from pagestream.engine.llm_engine import LLMEngine
+
+    class CoreEngine(LLMEngine):
+        """``LLMEngine`` whose outputs are the pipe's tuples (token ids only: the caller detokenizes)."""
+
+        def _make_output(self, req) -> _Compact:
+            comps = []
+            for i, seq in enumerate(req.seqs):
+                start = req.reported[i]
+                new_ids = seq.token_ids[seq.num_prompt_tokens + start:]
+                req.reported[i] = start + len(new_ids)
+                lps, req.pending_logprobs[i] = req.pending_logprobs[i], []
+                want = seq.params.logprobs is not None
+                comps.append((i, new_ids, req.cumulative_logprob[i] if want else None, lps if want else None,
+                              seq.finish_reason, seq.stop_reason))
+            finished = req.finished
+            metrics = None
+            if finished and req.first_token_time is not None:
+                metrics = {"arrival_time": req.arrival_time, "time_to_first_token": req.first_token_time - req.arrival_time}
+            return _Compact(int(req.request_id), finished, None, metrics, comps)
+
+    return CoreEngine
 
 
 def _core_main(conn, config: EngineConfig, log_level: int) -> None:
@@ -64,9 +97,7 @@ def _core_main(conn, config: EngineConfig, log_level: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine-core]: %(message)s")
     try:
-        from pagestream.engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(config)
+        engine = _core_engine_class()(config, detokenize=False)  # text and stop strings are the caller's
     except BaseException as exc:  # the caller raises it: a bad model, OOM, no GPU
         conn.send(("failed", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
@@ -85,6 +116,8 @@ def _core_main(conn, config: EngineConfig, log_level: int) -> None:
         _serve(engine, conn, inbox)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the caller is gone: nobody to report to
+    finally:
+        engine.runner.shutdown()  # tensor-parallel ranks leave with the core
 
 
 def _serve(engine, conn, inbox: queue.SimpleQueue) -> None:
@@ -107,6 +140,9 @@ def _serve(engine, conn, inbox: queue.SimpleQueue) -> None:
             elif kind == "abort":
                 for rid in msg[1]:
                     engine.abort_request(str(rid))
+            elif kind == "stop_samples":
+                for rid, index, reason in msg[1]:
+                    engine.finish_sample(str(rid), index, reason)
             elif kind in ("shutdown", "eof"):
                 return
         if not engine.has_unfinished_requests():
@@ -114,6 +150,9 @@ def _serve(engine, conn, inbox: queue.SimpleQueue) -> None:
             continue
         try:
             outs = engine.step()
+        except EngineDeadError as exc:  # a tensor-parallel rank died: this engine is over
+            conn.send(("dead", f"engine core: {exc}"))
+            return
         except Exception:  # the caller treats it as LLMEngine.step raising; the core goes on
             conn.send(("step_error", traceback.format_exc()))
             continue
@@ -122,17 +161,28 @@ def _serve(engine, conn, inbox: queue.SimpleQueue) -> None:
         if now - last_stats >= _STATS_EVERY_S or not engine.has_unfinished_requests():
             stats, last_stats = engine.stats(), now
         if outs or stats is not None:
-            conn.send(("out", [_compact(o) for o in outs], stats))
+            conn.send(("out", outs, stats))
 
 
 # ---- the caller's side ---------------------------------------------------------------------
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Live:
+    """A request as the caller's side keeps it: what the core need not send back, and the text."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    num_seqs: int
+    params: SamplingParams
+    detoks: list[IncrementalDetokenizer]
+    reported: list[int]  # per sample: output tokens reported so far (resumed ones included)
+    done: list[bool]  # per sample: ended (by the core, or here at a stop string)
+    finish: list[tuple[str | None, int | str | None]]  # per sample: (finish_reason, stop_reason)
+    cumulative: list[float | None]
+    stopped_here: list[bool]  # per sample: a stop string ended it on this side
+    told: list[bool]  # per sample: the core has been told of that stop
+    whole: list[CompletionOutput] | None = None  # output_kind "final": the outputs so far
+    metrics: dict | None = None  # the core's, with its last output
 
 
 class EngineProcess:
@@ -196,11 +246,25 @@ class EngineProcess:
         if request_id in self._handles:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         ids, resume, params = self.inputs.process(prompt, params, prompt_token_ids, resume_token_ids)
+        detoks = []
+        for _ in range(params.n):
+            detok = IncrementalDetokenizer(self.tokenizer, params)
+            for t in resume:
+                detok.add_token(t)
+            detok.take_delta(finished=False)  # text of resumed tokens counts as emitted
+            detoks.append(detok)
         rid = next(self._ids)
+        n = params.n
         self._handles[request_id] = rid
-        self._live[rid] = _Live(request_id, prompt, ids, params.n)
-        self._num_live_seqs += params.n
-        self._to_add.append((rid, prompt, ids, resume, params, priority))
+        self._live[rid] = _Live(request_id, prompt, ids, params, detoks, [len(resume)] * n, [False] * n, [(None, None)] * n,
+                                [None] * n, [False] * n, [False] * n,
+                                [CompletionOutput(i, "", []) for i in range(n)] if params.output_kind == "final" else None)
+        self._num_live_seqs += n
+        # The core stops at EOS, stop token ids and lengths; stop strings are watched here. It
+        # reports every step (token ids are cheap), whatever this request's output_kind.
+        core_params = params if not params.stop and params.output_kind == "delta" else \
+            dataclasses.replace(params, stop=None, output_kind="delta")
+        self._to_add.append((rid, prompt, ids, resume, core_params, priority))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.inputs.chat_token_ids(messages)
@@ -210,20 +274,26 @@ class EngineProcess:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request; its final output (finish_reason 'abort') comes with the next step."""
-        rid = self._handles.pop(request_id, None)
+        rid = self._handles.get(request_id)
         if rid is None:
             return False
-        live = self._live.pop(rid)
-        self._num_live_seqs -= live.num_seqs
+        live = self._forget(rid)
         queued = [a for a in self._to_add if a[0] == rid]
         if queued:  # never sent: nothing to stop in the core
             self._to_add.remove(queued[0])
         elif self._dead is None:
             self._send(("abort", [rid]))
-        self._local.append(RequestOutput(request_id, live.prompt, live.prompt_token_ids,
-                                         [CompletionOutput(i, "", [], finish_reason="abort") for i in range(live.num_seqs)],
-                                         True))
+        for i in range(live.params.n):
+            if not live.done[i]:
+                live.finish[i] = ("abort", None)
+        self._local.append(self._output(live, [[] for _ in live.detoks], [None] * len(live.detoks), force=True))
         return True
+
+    def _forget(self, rid: int) -> _Live:
+        live = self._live.pop(rid)
+        del self._handles[live.request_id]
+        self._num_live_seqs -= live.params.n
+        return live
 
     # ---- the step ---------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -236,8 +306,8 @@ class EngineProcess:
         return max(0, self.limits.max_num_seqs - self._num_live_seqs)
 
     def step(self, timeout_s: float = 0.05) -> list[RequestOutput]:
-        """Send what was added, then return the outputs the core has produced since the last call
-        (waiting up to ``timeout_s`` for the first of them)."""
+        """Send what was added, then return what the core produced since the last call, one
+        delta per request (waiting up to ``timeout_s`` for the first of it)."""
         self._check_alive()
         if self._to_add:
             batch, self._to_add = self._to_add, []
@@ -250,6 +320,9 @@ class EngineProcess:
                 msgs.append(self._outbox.get_nowait())
         except queue.Empty:
             pass
+        # per request touched: per sample the new token ids and their logprobs
+        new: dict[int, tuple[_Live, list[list[int]], list[list | None]]] = {}
+        errors: dict[int, str] = {}
         for msg in msgs:
             if msg[0] == "dead":
                 self._dead = msg[1]
@@ -259,20 +332,88 @@ class EngineProcess:
             _, outs, stats = msg
             if stats is not None:
                 self._stats = stats
-            for rid, finished, error, metrics, comps in outs:
+            for rid, _finished, error, metrics, comps in outs:
                 live = self._live.get(rid)
                 if live is None:
-                    continue  # aborted here while its tokens were on the way
-                outputs.append(RequestOutput(
-                    live.request_id, live.prompt, live.prompt_token_ids,
-                    [CompletionOutput(i, text, ids, first, cum, lps, fin, stop) for i, text, ids, first, cum, lps, fin, stop in comps],
-                    finished, error=error, metrics=metrics or {},
-                ))
-                if finished:
-                    del self._live[rid]
-                    del self._handles[live.request_id]
-                    self._num_live_seqs -= live.num_seqs
+                    continue  # ended here (abort, stop string) while its tokens were on the way
+                if metrics:
+                    live.metrics = metrics
+                entry = new.get(rid)
+                if entry is None:
+                    n = live.params.n
+                    entry = new[rid] = (live, [[] for _ in range(n)], [None] * n)
+                for index, ids, cumulative, lps, fin, stop in comps:
+                    if live.done[index]:
+                        continue
+                    if ids:
+                        entry[1][index].extend(ids)
+                        if lps is not None:
+                            entry[2][index] = (entry[2][index] or []) + lps
+                    live.cumulative[index] = cumulative
+                    if fin is not None:
+                        live.done[index] = True
+                        live.finish[index] = (fin, stop)
+                if error is not None:
+                    errors[rid] = error
+        stop_samples, aborts = [], []
+        for rid, (live, ids, lps) in new.items():
+            self._detokenize(live, ids, lps)
+            out = self._output(live, ids, lps)
+            if rid in errors:
+                out.error, out.finished = errors[rid], True
+            if out.finished:
+                out.metrics = live.metrics or {}
+                self._forget(rid)
+                if any(live.stopped_here) and rid not in errors:
+                    aborts.append(rid)  # the core still runs it: free its blocks
+            else:
+                for i, stopped in enumerate(live.stopped_here):
+                    if stopped and not live.told[i]:
+                        live.told[i] = True
+                        stop_samples.append((rid, i, live.finish[i][1]))
+            if live.params.output_kind == "delta" or out.finished:
+                outputs.append(out)
+        if aborts and self._dead is None:
+            self._send(("abort", aborts))
+        if stop_samples and self._dead is None:
+            self._send(("stop_samples", stop_samples))
         return outputs
+
+    def _detokenize(self, live: _Live, ids: list[list[int]], lps: list[list | None]) -> None:
+        """Text for the new tokens, cutting a sample at a stop string (later tokens are dropped)."""
+        for i, new_ids in enumerate(ids):
+            detok = live.detoks[i]
+            for k, t in enumerate(new_ids):
+                if detok.add_token(t):
+                    del new_ids[k + 1:]
+                    if lps[i] is not None:
+                        del lps[i][k + 1:]
+                    live.done[i] = live.stopped_here[i] = True
+                    live.finish[i] = ("stop", detok.stop_reason)
+                    break
+
+    def _output(self, live: _Live, ids: list[list[int]], lps: list[list | None], force: bool = False) -> RequestOutput:
+        comps = []
+        for i, detok in enumerate(live.detoks):
+            fin, stop = live.finish[i]
+            first = live.reported[i]
+            live.reported[i] += len(ids[i])
+            want_lps = live.params.logprobs is not None
+            comps.append(CompletionOutput(
+                index=i, text=detok.take_delta(live.done[i] or force), token_ids=ids[i], first_token_index=first,
+                cumulative_logprob=live.cumulative[i] if want_lps else None,
+                logprobs=(lps[i] or []) if want_lps else None, finish_reason=fin, stop_reason=stop,
+            ))
+        finished = force or all(live.done)
+        if live.whole is not None:  # output_kind "final": whole outputs, once
+            for w, c in zip(live.whole, comps):
+                w.text += c.text
+                w.token_ids += c.token_ids
+                if c.logprobs is not None:
+                    w.logprobs = (w.logprobs or []) + c.logprobs
+                w.cumulative_logprob, w.finish_reason, w.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
+            comps = live.whole
+        return RequestOutput(live.request_id, live.prompt, live.prompt_token_ids, comps, finished)
 
     def stats(self) -> EngineStats:
         self._check_alive()

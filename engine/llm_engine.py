@@ -75,11 +75,14 @@ class LLMEngine:
     ``step`` runs one forward pass and returns incremental ``RequestOutput``s.
     """
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, detokenize: bool = True, **kwargs) -> None:
+        """``detokenize=False``: outputs carry token ids only, and stop strings are the caller's
+        (an engine core whose caller detokenizes, ``engine.core_process``)."""
         from pagestream.engine.model_runner import ModelRunner  # torch lives below this line
 
         self.config = config if config is not None else EngineConfig(**kwargs)
         self.tokenizer = _load_tokenizer(self.config.tokenizer_path)
+        self.detokenize = detokenize
         self.eos_token_ids = _eos_token_ids(self.config, self.tokenizer)
         self.runner = ModelRunner(self.config, self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
@@ -140,7 +143,7 @@ class LLMEngine:
                 priority=priority,
                 wait_for=seqs[0] if i > 0 and self.config.enable_prefix_caching else None,
             )
-            detok = IncrementalDetokenizer(self.tokenizer, params)
+            detok = IncrementalDetokenizer(self.tokenizer if self.detokenize else None, params)
             for t in resume:
                 detok.add_token(t)
             detok.take_delta(finished=False)  # text of resumed tokens counts as emitted
@@ -171,6 +174,17 @@ class LLMEngine:
         self._aborted_outputs.append(self._make_output(req))
         self._forget(req)
         return True
+
+    def finish_sample(self, request_id: str, index: int, stop_reason: str | None) -> None:
+        """End one sample as stopped (a stop string its caller found); the request's final
+        output comes with the next step once every sample has ended."""
+        req = self._requests.get(request_id)
+        if req is None or req.seqs[index].is_finished:
+            return
+        self.scheduler.finish(req.seqs[index], "stop", stop_reason)
+        if req.finished:
+            self._aborted_outputs.append(self._make_output(req))
+            self._forget(req)
 
     def _forget(self, req: _Request) -> None:
         del self._requests[req.request_id]

@@ -2,13 +2,16 @@
 SchedulerOutput, returns sampled token ids."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from pagestream.engine.config import EngineConfig
+from pagestream.engine.distributed import TensorParallelDriver, TPGroup, tensor_parallel, unpack_step
 from pagestream.engine.layers.attention import AttentionMetadata
 from pagestream.engine.loader import build_model
 from pagestream.engine.sampler import HostSample, Sampler, SamplerOutput
@@ -83,12 +86,20 @@ class StepHandle:
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0, tensor_parallel_size: int = 1) -> torch.device:
+    """The device of ``rank``: with tensor parallelism on CUDA, rank r runs on cuda:r."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu'")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and tensor_parallel_size > 1:
+        if torch.cuda.device_count() < tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs that many GPUs, "
+                             f"torch sees {torch.cuda.device_count()}")
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    return device
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
@@ -102,13 +113,54 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
+    """One rank's runner. ``tp`` is given on ranks 1..N-1 (spawned by rank 0, see
+    engine/distributed.py); the engine's runner leaves it None and, at tensor_parallel_size > 1,
+    is rank 0: it starts the other ranks and ships them every step."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int], tp: TPGroup | None = None) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
+        tp_size = config.tensor_parallel_size
+        self.device = resolve_device(config.device, tp.rank if tp is not None else 0, tp_size)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
+        self.driver: TensorParallelDriver | None = None
+        if tp is None:
+            if self.device.type == "cuda":  # refuse a model too big for its GPUs before starting anything
+                from pagestream.engine.memory import check_weights_fit
+
+                check_weights_fit(config.hf_config, self.dtype, tp_size,
+                                  torch.cuda.get_device_properties(self.device).total_memory, config.gpu_memory_utilization)
+            tp = TPGroup()
+            if tp_size > 1:
+                self.driver = TensorParallelDriver(config, self.device)
+                weakref.finalize(self, self.driver.shutdown)
+                tp = self.driver.tp
+        self.tp = tp
+        try:
+            with self._tp_guard():
+                self._build(config, eos_token_ids)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _tp_guard(self):
+        """Around work with collectives on rank 0: a rank that died surfaces as EngineDeadError."""
+        return self.driver.guard() if self.driver is not None else contextlib.nullcontext()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do at size 1)."""
+        if self.driver is not None:
+            # graphs that captured collectives go before the communicator they use
+            for name in ("graphs", "mixed_graphs"):
+                if isinstance(getattr(self, name, None), dict):
+                    getattr(self, name).clear()
+            self.driver.shutdown()
+
+    def _build(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
         torch.manual_seed(config.seed)
-        self.model = build_model(config.hf_config, self.dtype, self.device, config.load_format, config.model, config.seed)
+        with tensor_parallel(self.tp):  # every layer built here holds this rank's shard
+            self.model = build_model(config.hf_config, self.dtype, self.device, config.load_format, config.model,
+                                     config.seed)
         self.vocab_size = int(config.hf_config["vocab_size"])
         self.num_layers = len(self.model.attention_layers())
         self.num_kv_heads = self.model.num_kv_heads
@@ -117,7 +169,11 @@ class ModelRunner:
             self.head_dim, config.max_model_len, self.model.rope_theta, self.model.rope_scaling, self.device
         )  # [max_model_len, head_dim] fp32
         self.num_blocks = self._num_kv_blocks()
-        # [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        if self.tp.size > 1:  # one block table for all ranks: the pool is as large as the tightest card allows
+            n = torch.tensor([self.num_blocks], dtype=torch.long, device=self.device)
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN, group=self.tp.group)
+            self.num_blocks = int(n.item())
+        # [2, num_layers, num_blocks, block_size, num_kv_heads (this rank's), head_dim]
         self.kv_cache = torch.empty(
             2, self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
             dtype=self.dtype, device=self.device,
@@ -384,16 +440,46 @@ class ModelRunner:
         event; ``StepHandle.result()`` waits for them.
         """
         inp = self.prepare(sched, prev)
-        meta = inp.meta
-        hidden = self._replay(inp.input_ids, inp.positions, meta) if self.graphs else None
-        if hidden is None:
-            hidden = self.model(inp.input_ids, inp.positions, meta, self.cos_sin_cache)  # [num_tokens, hidden]
+        if self.driver is None:
+            return self._launch(inp)
+        # Tensor parallel: the other ranks run this step from a copy of its input buffers, taken
+        # after prepare() wrote the tokens still on the device (async scheduling) into them, so only
+        # rank 0 samples and the others never need the sampled ids: one broadcast per step carries
+        # both. (Sampling on every rank from gathered logits would need each rank to hold every
+        # request's sampling state, and any drift between ranks would corrupt the KV caches silently.)
+        self.driver.publish(inp)
+        with self.driver.guard():
+            handle = self._launch(inp)
+        if handle.host is not None:  # waiting for the ids must notice a dead rank rather than hang
+            handle.host.event = self.driver.watch(handle.host.event)
+        return handle
+
+    def _launch(self, inp: StepInputs) -> "StepHandle":
+        hidden = self._forward(inp)
         if not inp.sample_seqs:
             return StepHandle([], {}, None, None)
         logits = self.model.compute_logits(hidden.index_select(0, inp.sample_rows))  # [num_sample, vocab]
         sampled = self.sampler(logits, inp.sample_seqs)
         return StepHandle(inp.sample_seqs, {s: i for i, s in enumerate(inp.sample_seqs)}, sampled.token_ids,
                           sampled.to_host())
+
+    def _forward(self, inp: StepInputs) -> torch.Tensor:  # [num_tokens, hidden]
+        hidden = self._replay(inp.input_ids, inp.positions, inp.meta) if self.graphs else None
+        if hidden is None:
+            hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.cos_sin_cache)
+        return hidden
+
+    @torch.inference_mode()
+    def follow(self, header: dict) -> None:
+        """Ranks 1..N-1: run the step rank 0 published (``distributed.pack_step``'s header; the
+        buffers arrive by broadcast). The logits take part in the vocabulary gather, then go unused."""
+        buffers = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in header["buffer_bytes"]]
+        for buf in buffers:
+            torch.distributed.broadcast(buf, src=0, group=self.tp.group)
+        inp = unpack_step(header, buffers)
+        hidden = self._forward(inp)
+        if inp.sample_rows.numel():
+            self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
 
     @torch.inference_mode()
     def _dummy_forward(self, num_tokens: int, num_seqs: int) -> None:
@@ -428,6 +514,10 @@ class ModelRunner:
         request and the first call runs at the speed of the tenth."""
         if self.device.type != "cuda":
             return
+        with self._tp_guard():
+            self._warm_up()
+
+    def _warm_up(self) -> None:
         cfg = self.config
         budget = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
         max_q = min(budget, cfg.max_model_len - 1)

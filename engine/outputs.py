@@ -56,7 +56,3 @@ class EngineStats:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core process is gone; nothing more can run in this engine (the worker stops)."""

@@ -9,7 +9,8 @@ import shutil
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "opt", "opt-post-ln")
 
 
-def write_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", tokenizer_dir: str | None = None, seed: int = 0) -> str:
+def write_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", tokenizer_dir: str | None = None, seed: int = 0,
+                     **overrides) -> str:
     """Write a tiny fp32 model of ``arch`` and copy the tokenizer from ``tokenizer_dir`` beside it.
 
     Each shape exercises its family's quirks: "llama" has llama3 rope scaling, "qwen2" q/k/v
@@ -17,7 +18,8 @@ def write_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", tokenizer_
     test prompts), "gemma2" soft-capping, alternating 20-token windows and a query scale that
     is not head_dim's, "opt" project_in/out (word_embed_proj_dim != hidden_size) with pre-LN and
     "opt-post-ln" the same with LayerNorm after each block (opt-350m's layout). OPT gets no chat
-    template, like facebook/opt-125m. Returns the directory."""
+    template, like facebook/opt-125m. ``overrides`` replace config fields (e.g.
+    ``num_key_value_heads=1``). Returns the directory."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -29,6 +31,7 @@ def write_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", tokenizer_
         initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
+    common.update(overrides)
     if arch == "llama":
         cfg = AutoConfig.for_model(
             "llama", **common,
@@ -52,7 +55,7 @@ def write_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", tokenizer_
         cfg = AutoConfig.for_model(
             "opt", vocab_size=vocab, hidden_size=64, word_embed_proj_dim=32, ffn_dim=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=1024, init_std=0.2,
-            do_layer_norm_before=arch == "opt", bos_token_id=1, eos_token_id=2, pad_token_id=2,
+            do_layer_norm_before=arch == "opt", bos_token_id=1, eos_token_id=2, pad_token_id=2, **overrides,
         )
     else:
         raise ValueError(f"arch must be one of {', '.join(TINY_ARCHS)}, got {arch!r}")

@@ -1,6 +1,6 @@
 """Triton kernels for the paged-KV engine, each with a torch reference in `kernels.reference`.
 
-    from pagestream.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache, rms_norm, rotary_embedding
+    from pagestream.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache, rms_norm, rotary_embedding, silu_and_mul
 
 These names are the Triton wrappers (CUDA tensors; CPU only under
 TRITON_INTERPRET=1); `kernels.reference` holds the same functions in plain
@@ -20,6 +20,7 @@ from pagestream.kernels.paged_decode_attention import paged_decode_attention
 from pagestream.kernels.paged_prefill_attention import paged_prefill_attention
 from pagestream.kernels.rms_norm import rms_norm
 from pagestream.kernels.rotary import rotary_embedding
+from pagestream.kernels.silu_and_mul import silu_and_mul
 from pagestream.kernels.store_kvcache import store_kvcache
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "paged_prefill_attention",
     "rms_norm",
     "rotary_embedding",
+    "silu_and_mul",
 ]
 
 

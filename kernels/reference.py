@@ -161,6 +161,11 @@ def paged_prefill_attention(
     return out
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]

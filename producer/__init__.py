@@ -10,6 +10,8 @@ from pagestream.producer.schema import (
     SampleResult,
     SamplingOptions,
     TokenEvent,
+    TokenLogprob,
+    TopLogprob,
 )
 
 __all__ = [
@@ -26,4 +28,6 @@ __all__ = [
     "SampleResult",
     "SamplingOptions",
     "TokenEvent",
+    "TokenLogprob",
+    "TopLogprob",
 ]

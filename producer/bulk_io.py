@@ -19,9 +19,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pagestream.producer.gateway_openai import ChatMessageIn, GatewayError, completion_body
+from pagestream.producer.gateway_openai import ChatMessageIn, GatewayError, chat_logprobs_k, completion_body
 from pagestream.producer.limits import job_limits
-from pagestream.producer.schema import JobResult, format_validation_error
+from pagestream.producer.schema import MAX_LOGPROBS, JobResult, format_validation_error
 from pagestream.producer.untrusted import UntrustedJSONError, loads_untrusted
 
 COMPLETIONS_URL = "/v1/completions"
@@ -30,8 +30,6 @@ SUPPORTED_URLS = (COMPLETIONS_URL, CHAT_URL)
 MAX_CUSTOM_ID_CHARS = 512
 #: OpenAI's default ``max_tokens`` for /v1/completions (chat has none: until the model stops)
 OPENAI_COMPLETIONS_MAX_TOKENS = 16
-LOGPROBS_REFUSED = ("logprobs/top_logprobs are not supported in bulk requests: workers do not return log "
-                    "probabilities yet; remove them from the line to run it")
 _quote = reprlib.Repr()  # a reason quotes user input, never all of it
 _quote.maxstring = _quote.maxother = 60
 _short = _quote.repr
@@ -57,7 +55,7 @@ class RequestBody(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     n: int | None = Field(default=None, ge=1)  # one choice per sample; the job schema holds the upper limit
-    # accepted so a line asking for them gets a clear error line (``parse_line``), not silence
+    # chat: ``logprobs: true`` + ``top_logprobs: k``; completions: ``logprobs: k`` (``logprobs_k`` reads them per url)
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
 
@@ -71,8 +69,21 @@ class RequestBody(BaseModel):
                 raise ValueError(exc.message) from None
         return v
 
-    def wants_logprobs(self) -> bool:
-        return self.logprobs not in (None, False) or self.top_logprobs not in (None, 0)
+    def logprobs_k(self, url: str) -> int | None:
+        """The job's ``logprobs`` (alternatives per token) as OpenAI's endpoint ``url`` spells it;
+        ``ValueError`` saying what is wrong (the job schema checks the range)."""
+        if url == CHAT_URL:
+            if self.logprobs is not None and not isinstance(self.logprobs, bool):
+                raise ValueError("for chat, logprobs is true or false; the number of alternatives is top_logprobs")
+            try:
+                return chat_logprobs_k(self.logprobs, self.top_logprobs)
+            except GatewayError as exc:
+                raise ValueError(exc.message) from None
+        if self.top_logprobs is not None:
+            raise ValueError(f"top_logprobs is a chat field; {COMPLETIONS_URL} takes logprobs: <number of alternatives>")
+        if isinstance(self.logprobs, bool):
+            raise ValueError(f"for {COMPLETIONS_URL}, logprobs is the number of alternatives per token (0-{MAX_LOGPROBS}), not true/false")
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -118,6 +129,7 @@ class BulkRequest:
     url: str  # COMPLETIONS_URL or CHAT_URL
     body: RequestBody
     openai_form: bool = True  # False: a plain ``{"prompt" | "messages", ...}`` line
+    logprobs: int | None = None  # alternatives per token the line asked for (None: no logprobs)
 
     @property
     def is_chat(self) -> bool:
@@ -199,19 +211,23 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int | None = None) -> Bul
             return BadLine(line, f"{COMPLETIONS_URL} needs body.prompt", custom_id)
         if url == CHAT_URL and parsed.messages is None:
             return BadLine(line, f"{CHAT_URL} needs body.messages", custom_id)
-        if parsed.wants_logprobs():
-            return BadLine(line, LOGPROBS_REFUSED, custom_id)
-        return BulkRequest(line=line, custom_id=custom_id, url=url, body=parsed)
+        try:
+            k = parsed.logprobs_k(url)
+        except ValueError as exc:
+            return BadLine(line, f"body: {exc}", custom_id)
+        return BulkRequest(line=line, custom_id=custom_id, url=url, body=parsed, logprobs=k)
 
     fields = {k: v for k, v in obj.items() if k != "custom_id"}
     try:
         parsed = RequestBody.model_validate(fields)
     except ValidationError as exc:
         return BadLine(line, format_validation_error(exc, prefix="line", max_errors=3), custom_id)
-    if parsed.wants_logprobs():
-        return BadLine(line, LOGPROBS_REFUSED, custom_id)
     url = CHAT_URL if parsed.messages is not None else COMPLETIONS_URL
-    return BulkRequest(line=line, custom_id=custom_id or f"line-{line}", url=url, body=parsed, openai_form=False)
+    try:
+        k = parsed.logprobs_k(url)
+    except ValueError as exc:
+        return BadLine(line, f"line: {exc}", custom_id)
+    return BulkRequest(line=line, custom_id=custom_id or f"line-{line}", url=url, body=parsed, openai_form=False, logprobs=k)
 
 
 # ---- output records -------------------------------------------------------------------------

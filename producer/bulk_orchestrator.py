@@ -113,6 +113,8 @@ def bulk_job(req: BulkRequest, spec: BulkSpec) -> dict[str, Any] | BadLine:
         return BadLine(req.line, f"url {req.url} differs from the batch's endpoint {spec.endpoint}", req.custom_id)
     # nested, so an unbounded max_tokens (None) is kept rather than read as "not given"
     sampling = {**body.sampling(), "max_tokens": req.max_tokens()}
+    if req.logprobs is not None:
+        sampling["logprobs"] = req.logprobs
     fields: dict[str, Any] = dict(
         job_id=request_id(spec.bulk_id, req.line),
         model=body.model or spec.model,

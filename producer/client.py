@@ -165,7 +165,8 @@ class Producer:
         Resumable: a subscriber that saw ``N`` tokens reconnects with ``from_index=N``
         (events entirely before N are skipped). ``timeout`` bounds the wait for the
         next event (``TimeoutError``). A Redis restart is ridden out (backoff, then
-        reading resumes after the last event delivered).
+        reading resumes after the last event delivered). A job submitted with
+        ``logprobs=k`` has ``event.logprobs``: one ``TokenLogprob`` per token id.
         """
         yield from self._drive(self.core.stream(job_id, from_index, timeout), [])
 

@@ -36,9 +36,11 @@ from pagestream.producer.gateway_openai import (
     ChatCompletionRequest,
     CompletionRequest,
     GatewayError,
+    choice_logprobs,
     chunk,
     completion_body,
     model_list,
+    request_param,
     to_job,
     usage_chunk,
 )
@@ -199,7 +201,7 @@ class Gateway:
         try:
             job = to_job(req, job_id)
         except ValidationError as exc:
-            raise GatewayError(400, format_validation_error(exc), param=_first_loc(exc)) from None
+            raise GatewayError(400, format_validation_error(exc), param=request_param(_first_loc(exc), chat)) from None
         await self.check_model(req.model, job.sampling.max_tokens)
         await self.producer.submit(job, queue_unserved=True)  # checked just above, with the directory's cache
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{job_id}"
@@ -246,9 +248,15 @@ class Gateway:
             if chat:
                 for i in range(n):
                     yield _sse(chunk(chat, rid, model, created, i, "", role=True))
+            text_offset: dict[int, int] = {}  # per sample: completions' text_offset of its next token
             async for ev in self.producer.stream(job_id, timeout=self.settings.request_timeout_s):
-                if ev.text or ev.finish_reason:
-                    yield _sse(chunk(chat, rid, model, created, ev.sample, ev.text, ev.finish_reason))
+                lps = None
+                if ev.logprobs:
+                    offset = text_offset.get(ev.sample, 0)
+                    lps = choice_logprobs(chat, ev.logprobs, offset)
+                    text_offset[ev.sample] = offset + sum(len(t.token) for t in ev.logprobs)
+                if ev.text or ev.finish_reason or lps:
+                    yield _sse(chunk(chat, rid, model, created, ev.sample, ev.text, ev.finish_reason, logprobs=lps))
             result = await self.producer.result(job_id, timeout=60)
             finished = True
             if result.status != JobStatus.COMPLETED:

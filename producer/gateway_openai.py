@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagestream.producer.schema import JobRequest, JobResult, SampleResult
+from pagestream.producer.schema import JobRequest, JobResult, SampleResult, TokenLogprob
 
 
 class GatewayError(Exception):
@@ -60,7 +60,8 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = 16  # OpenAI's default for /v1/completions
-    logprobs: int | None = None
+    # a count; ``true`` is kept as sent so the job schema refuses it with a 400 that says so, not read as 1
+    logprobs: bool | int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -114,24 +115,36 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
 
 
-def check_unsupported(req: _Common) -> None:
-    if isinstance(req, ChatCompletionRequest) and (req.logprobs or req.top_logprobs):
-        raise GatewayError(400, "logprobs are not carried through the queue yet", param="logprobs")
-    if isinstance(req, CompletionRequest) and req.logprobs:
-        raise GatewayError(400, "logprobs are not carried through the queue yet", param="logprobs")
+def chat_logprobs_k(logprobs: bool | None, top_logprobs: int | None) -> int | None:
+    """The job's ``logprobs`` for chat's pair of fields: ``logprobs: true`` asks for them,
+    ``top_logprobs`` (default 0) says how many alternatives (the job schema checks the range)."""
+    if top_logprobs is not None and not logprobs:
+        raise GatewayError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top_logprobs or 0) if logprobs else None
 
 
 def to_job(req: CompletionRequest | ChatCompletionRequest, job_id: str) -> JobRequest:
     """The job this request becomes (raises ``pydantic.ValidationError`` for out-of-range values)."""
-    check_unsupported(req)
     fields: dict[str, Any] = {"job_id": job_id, "model": req.model, **req.sampling()}
     if isinstance(req, ChatCompletionRequest):
         fields["messages"] = [m.flat() for m in req.messages]
         fields["max_tokens"] = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        k = chat_logprobs_k(req.logprobs, req.top_logprobs)
     else:
         fields.update(req.prompt_fields())
         fields["max_tokens"] = req.max_tokens
+        k = req.logprobs
+    if k is not None:
+        fields["logprobs"] = k
     return JobRequest.model_validate(fields)
+
+
+def request_param(loc: str | None, chat: bool) -> str | None:
+    """The request field a job-schema error is about: ``sampling.logprobs`` is chat's ``top_logprobs``."""
+    if loc is None:
+        return None
+    loc = loc.removeprefix("sampling.")
+    return "top_logprobs" if chat and loc == "logprobs" else loc
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -147,12 +160,47 @@ def usage(result: JobResult) -> dict[str, int]:
             "total_tokens": result.prompt_tokens + result.completion_tokens}
 
 
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
+
+
+def chat_logprobs(lps: list[TokenLogprob]) -> dict:
+    """``choices[].logprobs`` of chat: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}``."""
+    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token),
+                         "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": _bytes(a.token)} for a in t.top_logprobs]}
+                        for t in lps],
+            "refusal": None}
+
+
+def completion_logprobs(lps: list[TokenLogprob], text_offset: int = 0) -> dict:
+    """``choices[].logprobs`` of /v1/completions; ``text_offset`` of the first token (a stream continues it).
+
+    Offsets add up the tokens' own texts, so a character split over two tokens counts
+    each part's replacement character (as other servers that decode tokens alone do).
+    """
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in lps:
+        out["tokens"].append(t.token)
+        out["token_logprobs"].append(t.logprob)
+        out["top_logprobs"].append({a.token: a.logprob for a in t.top_logprobs})
+        out["text_offset"].append(text_offset)
+        text_offset += len(t.token)
+    return out
+
+
+def choice_logprobs(chat: bool, lps: list[TokenLogprob] | None, text_offset: int = 0) -> dict | None:
+    if lps is None:
+        return None
+    return chat_logprobs(lps) if chat else completion_logprobs(lps, text_offset)
+
+
 def completion_body(chat: bool, rid: str, model: str, created: int, result: JobResult) -> dict:
     # a result built by hand may carry only the top-level fields (sample 0)
     samples = result.outputs or [SampleResult(index=0, text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason)]
     choices = []
     for s in samples:
-        choice: dict[str, Any] = {"index": s.index, "logprobs": None, "finish_reason": finish_reason(s.finish_reason)}
+        choice: dict[str, Any] = {"index": s.index, "logprobs": choice_logprobs(chat, s.logprobs),
+                                  "finish_reason": finish_reason(s.finish_reason)}
         if chat:
             choice["message"] = {"role": "assistant", "content": s.text}
         else:
@@ -163,8 +211,9 @@ def completion_body(chat: bool, rid: str, model: str, created: int, result: JobR
 
 
 def chunk(chat: bool, rid: str, model: str, created: int, index: int, text: str | None,
-          reason: str | None = None, role: bool = False) -> dict:
-    choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason(reason)}
+          reason: str | None = None, role: bool = False, logprobs: dict | None = None) -> dict:
+    """One stream chunk; ``logprobs`` is ``choice_logprobs`` of the chunk's tokens."""
+    choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:

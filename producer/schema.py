@@ -29,6 +29,10 @@ JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$"
 #: token ids are vocabulary indices: they must fit the int32 tensors the engine builds
 MAX_TOKEN_ID = 2**31 - 1
 MAX_MODEL_NAME_CHARS = 256
+#: most alternatives a job may ask for per output token (OpenAI's ``top_logprobs`` limit, the engine's too)
+MAX_LOGPROBS = 20
+#: what a logprob of -inf (a token the model rules out) is written as: JSON has no infinity (OpenAI and vLLM use it too)
+MIN_LOGPROB = -9999.0
 
 
 class JobStatus(str, Enum):
@@ -103,11 +107,22 @@ class SamplingOptions(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # per output token: the sampled token's logprob and this many most likely alternatives (0: none)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_count(cls, v: Any) -> Any:
+        # OpenAI's chat habit (logprobs=True) would silently mean 1 alternative: say what the field is
+        if isinstance(v, bool):
+            raise ValueError(f"logprobs is the number of alternatives per token (0-{MAX_LOGPROBS}), not true/false; "
+                             "logprobs=0 returns the sampled token's logprob only")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -299,12 +314,67 @@ class JobRequest(BaseModel):
         return self.deadline is not None and (now if now is not None else time.time()) > self.deadline
 
 
+def _compact_or_fields(data: Any, names: tuple[str, ...]) -> Any:
+    # The wire form is a JSON array in field order (see TokenLogprob); a dict passes as is.
+    if isinstance(data, (list, tuple)):
+        if len(data) != len(names):
+            raise ValueError(f"expected [{', '.join(names)}], got {len(data)} items")
+        return dict(zip(names, data))
+    return data
+
+
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at a position; on the wire ``[token_id, token, logprob]``."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    token_id: int
+    token: str  # the token decoded on its own (may hold U+FFFD for part of a multi-byte character)
+    logprob: float
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_wire(cls, data: Any) -> Any:
+        return _compact_or_fields(data, ("token_id", "token", "logprob"))
+
+    @model_serializer(mode="plain")
+    def _to_wire(self) -> list:
+        return [self.token_id, self.token, self.logprob]
+
+
+class TokenLogprob(BaseModel):
+    """Log probability of one sampled output token, and the job's ``logprobs`` most likely
+    tokens at its position (most likely first; the sampled one may or may not be among them).
+
+    Stored and sent compactly as ``[token_id, token, logprob, [[token_id, token, logprob], ...]]``
+    (a result with thousands of tokens times 20 alternatives stays a few hundred KB, not MBs);
+    in Python it is this typed model.
+    """
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_wire(cls, data: Any) -> Any:
+        return _compact_or_fields(data, ("token_id", "token", "logprob", "top_logprobs"))
+
+    @model_serializer(mode="plain")
+    def _to_wire(self) -> list:
+        return [self.token_id, self.token, self.logprob, [t._to_wire() for t in self.top_logprobs]]
+
+
 class TokenEvent(BaseModel):
     """A delta of one sample: ``token_ids`` start at output index ``index``.
 
     Concatenating ``text`` of all events of a sample (in index order, each index
     once) gives the final text. ``text`` can lag the tokens (partial UTF-8 or stop
     strings are held back) and the last event may carry text but no tokens.
+    ``logprobs`` (when the job asked for them) has one entry per token of ``token_ids``.
     """
 
     job_id: str
@@ -313,6 +383,7 @@ class TokenEvent(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def end_index(self) -> int:
@@ -324,6 +395,7 @@ class SampleResult(BaseModel):
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the job asked for them
 
 
 class JobResult(BaseModel):
@@ -351,6 +423,12 @@ class JobResult(BaseModel):
     @property
     def ok(self) -> bool:
         return self.status == JobStatus.COMPLETED
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """Sample 0's logprobs (``outputs[i].logprobs`` per sample). Not a second copy like ``text``:
+        with 20 alternatives they are ~0.7 KB per token, the bulk of a result."""
+        return self.outputs[0].logprobs if self.outputs else None
 
 
 class DeadLetter(BaseModel):

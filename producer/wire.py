@@ -23,10 +23,15 @@ def job_fields(job: JobRequest) -> dict[str, str]:
     return {JOB_FIELD: job.model_dump_json(exclude_none=True)}
 
 
-def token_event_fields(sample: int, index: int, token_ids: list[int], text: str, finish_reason: str | None) -> dict[str, str]:
+def token_event_fields(sample: int, index: int, token_ids: list[int], text: str, finish_reason: str | None,
+                       logprobs: list | None = None) -> dict[str, str]:
+    """``logprobs``: one ``[token_id, token, logprob, [[id, token, logprob], ...]]`` per token id
+    (``TokenLogprob``'s wire form), or None: an event without them is exactly what it was before."""
     ev: dict[str, Any] = {"s": sample, "i": index, "t": token_ids, "x": text}
     if finish_reason is not None:
         ev["f"] = finish_reason
+    if logprobs is not None:
+        ev["l"] = logprobs
     return {TYPE_FIELD: TOKEN_TYPE, "ev": json.dumps(ev, ensure_ascii=False, separators=(",", ":"))}
 
 
@@ -45,7 +50,8 @@ def decode_out_entry(job_id: str, fields: dict) -> TokenEvent | str:
         return _s(f.get("status", b""))
     ev = json.loads(_s(f["ev"]))
     return TokenEvent(
-        job_id=job_id, sample=ev["s"], index=ev["i"], token_ids=ev["t"], text=ev["x"], finish_reason=ev.get("f")
+        job_id=job_id, sample=ev["s"], index=ev["i"], token_ids=ev["t"], text=ev["x"], finish_reason=ev.get("f"),
+        logprobs=ev.get("l"),
     )
 
 

@@ -88,6 +88,11 @@ def test_parse_line_forms_and_reasons():
     plain = parse_line('{"messages": [{"role": "user", "content": "yo"}]}', 7)
     assert isinstance(plain, BulkRequest) and plain.is_chat and plain.custom_id == "line-7"
     assert parse_line(b"   ", 3) is None
+    # logprobs as each endpoint spells them become the job's count of alternatives
+    assert parse_line(b'{"prompt": "a", "logprobs": 2}', 1).logprobs == 2
+    chat_lp = b'{"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": true%s}}'
+    assert parse_line(chat_lp % b', "top_logprobs": 4', 1).logprobs == 4 and parse_line(chat_lp % b"", 1).logprobs == 0
+    assert ok.logprobs is None and parse_line(b'{"messages": [{"role": "user", "content": "x"}], "logprobs": false}', 1).logprobs is None
     cases = {
         b"{oops": "invalid JSON",
         b"[1]": "JSON object",
@@ -97,7 +102,11 @@ def test_parse_line_forms_and_reasons():
             "needs body.prompt",
         b'{"prompt": "a", "temperature": -1}': "temperature",
         b'{"prompt": "a", "n": 0}': "line.n: Input should be greater than or equal to 1",
-        b'{"prompt": "a", "logprobs": 2}': "logprobs/top_logprobs are not supported in bulk requests",
+        b'{"prompt": "a", "logprobs": true}': "logprobs is the number of alternatives per token",
+        b'{"prompt": "a", "top_logprobs": 2}': "top_logprobs is a chat field",
+        b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}': "top_logprobs needs logprobs: true",
+        b'{"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}], '
+        b'"logprobs": 3}}': "body: for chat, logprobs is true or false",
         b'{"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": '
         b'[{"type": "image_url", "image_url": {"url": "x"}}]}], "logprobs": true}}': "only text content parts",
         b'{"custom_id": 5, "prompt": "a"}': "custom_id must be",

@@ -10,7 +10,7 @@ import pytest
 
 from pagestream.engine import EngineConfig, SamplingParams
 from pagestream.engine.core_process import EngineProcess
-from pagestream.engine.outputs import EngineDeadError
+from pagestream.engine.errors import EngineDeadError
 from pagestream.producer import JobStatus, keys
 from tests.queue_helpers import WorkerProc, assert_contiguous, engine_core_pid, pending_of, pid_alive, wait_for
 
@@ -24,6 +24,10 @@ def _drive(engine) -> dict:
     engine.add_chat_request("chat", [{"role": "user", "content": "Hello there"}], SamplingParams(temperature=0, max_tokens=12, **eos_free))
     engine.add_request("resumed", prompt_token_ids=[5, 6, 7, 8], resume_token_ids=[40, 41, 42],
                        params=SamplingParams(temperature=0.7, seed=11, max_tokens=16, **eos_free))
+    engine.add_request("stop-n2", prompt="Two ways", params=SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=40,
+                                                                           stop=["a", "o"], include_stop_str_in_output=True, **eos_free))
+    engine.add_request("final-lp", prompt="Whole at once", params=SamplingParams(temperature=0.6, seed=9, max_tokens=10, logprobs=2,
+                                                                                output_kind="final", stop=["zz"], **eos_free))
     engine.add_request("aborted", prompt="never mind", params=SamplingParams(temperature=0, max_tokens=200, **eos_free))
     got: dict = {}
     steps = 0
@@ -31,15 +35,16 @@ def _drive(engine) -> dict:
     while engine.has_unfinished_requests():
         for out in engine.step():
             for c in out.outputs:
-                s = got.setdefault((out.request_id, c.index), {"ids": [], "text": "", "first": [], "fin": None})
+                s = got.setdefault((out.request_id, c.index), {"ids": [], "text": "", "fin": None, "lps": []})
+                assert c.first_token_index == len(s["ids"]) + (3 if out.request_id == "resumed" else 0) or not c.token_ids
                 s["ids"] += c.token_ids
                 s["text"] += c.text
-                s["first"].append(c.first_token_index)
-                s["fin"] = c.finish_reason or s["fin"]
+                s["fin"] = (c.finish_reason, c.stop_reason) if c.finish_reason else s["fin"]
+                s["lps"] += [sorted(d) for d in c.logprobs or []]
         steps += 1
         if steps >= 3 and not aborted:
             aborted = engine.abort_request("aborted")
-    return {k: (v["ids"], v["text"], v["fin"]) for k, v in got.items() if k[0] != "aborted"}, got[("aborted", 0)]["fin"]
+    return {k: (v["ids"], v["text"], v["fin"], v["lps"]) for k, v in got.items() if k[0] != "aborted"}, got[("aborted", 0)]["fin"]
 
 
 def test_engine_process_gives_the_outputs_of_the_engine_in_process(tiny_llama_dir):
@@ -62,8 +67,10 @@ def test_engine_process_gives_the_outputs_of_the_engine_in_process(tiny_llama_di
         assert len(after) == 4
     local, local_abort = _drive(LLMEngine(EngineConfig(**cfg)))
     assert remote == local
-    assert remote_abort == local_abort == "abort"
-    assert remote[("stop-str", 0)][2] == "stop" and "e" not in remote[("stop-str", 0)][1]
+    assert remote_abort == local_abort == ("abort", None)
+    assert remote[("stop-str", 0)][2] == ("stop", "e") and "e" not in remote[("stop-str", 0)][1]
+    assert {remote[("stop-n2", i)][2][1] for i in (0, 1)} <= {"a", "o"}  # each sample stopped on its own
+    assert len(remote[("final-lp", 0)][3]) == len(remote[("final-lp", 0)][0]) == 10
 
 
 def test_a_core_that_cannot_start_says_why(tiny_llama_dir):

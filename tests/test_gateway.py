@@ -8,6 +8,7 @@ import json
 import httpx
 import openai
 import pytest
+from openai.types.completion_choice import Logprobs
 import redis
 
 from gateway_helpers import DB_URL, GatewayProc
@@ -76,6 +77,45 @@ def test_models_completions_and_chat_match_the_engine(stack):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
 
 
+def test_logprobs_in_openai_shapes_streamed_and_not(stack):
+    c = client(stack)
+    fake = FakeEngine()
+    msgs = [{"role": "user", "content": "odds please"}]
+    want = fake.expected_logprobs(fake.tokenizer.apply_chat_template(msgs), 8, 6, k=3)
+    kw = dict(model=MODEL, messages=msgs, max_tokens=6, seed=8, logprobs=True, top_logprobs=3)
+    raw = c.chat.completions.with_raw_response.create(**kw).http_response.json()
+    full = openai.types.chat.ChatCompletion.model_validate(raw)  # strictly: the SDK itself builds objects unchecked
+    content = full.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == full.choices[0].message.content
+    for t, d in zip(content, want, strict=True):
+        assert (t.token, t.logprob, t.bytes) == (f"<{next(iter(d))}>", next(iter(d.values())), list(t.token.encode()))
+        assert [(a.token, a.logprob) for a in t.top_logprobs] == [(f"<{i}>", v) for i, v in d.items()]
+    chunks = [openai.types.chat.ChatCompletionChunk.model_validate(ch.model_dump())
+              for ch in c.chat.completions.create(**kw, stream=True)]
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
+    # logprobs=0: the sampled token's logprob only; not asked: null
+    zero = c.chat.completions.create(**{**kw, "top_logprobs": 0})
+    assert [t.top_logprobs for t in zero.choices[0].logprobs.content] == [[]] * 6
+    assert c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2).choices[0].logprobs is None
+
+    want = fake.expected_logprobs("odds please", 9, 5, k=2)
+    kw = dict(model=MODEL, prompt="odds please", max_tokens=5, seed=9, logprobs=2)
+    raw = c.completions.with_raw_response.create(**kw).http_response.json()
+    done = openai.types.Completion.model_validate(raw)
+    lp = done.choices[0].logprobs
+    assert "".join(lp.tokens) == done.choices[0].text
+    assert lp.token_logprobs == [next(iter(d.values())) for d in want]
+    assert lp.top_logprobs == [{f"<{i}>": v for i, v in d.items()} for d in want]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    # (the SDK's Completion type refuses the null finish_reason every stream chunk but the last has: check the logprobs)
+    parts = [Logprobs.model_validate(ch.choices[0].logprobs.model_dump())
+             for ch in c.completions.create(**kw, stream=True) if ch.choices and ch.choices[0].logprobs]
+    assert len(parts) > 1  # streamed in pieces, the offsets continue across them
+    joined = {f: [x for p in parts for x in getattr(p, f)] for f in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert joined == lp.model_dump()
+
+
 def test_n_samples_and_stop(stack):
     c = client(stack)
     two = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "pick two"}], n=2, max_tokens=6, seed=3)
@@ -101,15 +141,27 @@ def test_bad_requests_get_openai_errors_and_never_reach_a_worker(stack):
         (openai.UnprocessableEntityError, lambda: c.completions.create(model=MODEL, prompt="x", max_tokens="lots")),
         (openai.BadRequestError, lambda: c.completions.create(model=MODEL, prompt="x", max_tokens=4096)),  # over the context
         (openai.BadRequestError, lambda: c.completions.create(model=MODEL, prompt="x", temperature=-1)),
+        # logprobs out of range (0-20), and top_logprobs without logprobs: true
+        (openai.BadRequestError, lambda: c.completions.create(model=MODEL, prompt="x", logprobs=21)),
+        (openai.BadRequestError, lambda: c.completions.create(model=MODEL, prompt="x", logprobs=-1)),
+        (openai.BadRequestError, lambda: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                                   logprobs=True, top_logprobs=21)),
+        (openai.BadRequestError, lambda: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                                   top_logprobs=2)),
+        (openai.UnprocessableEntityError, lambda: c.completions.create(model=MODEL, prompt="x", logprobs="many")),
+        (openai.BadRequestError, lambda: c.completions.create(model=MODEL, prompt="x", logprobs=True)),  # chat's spelling
         (openai.NotFoundError, lambda: c.completions.create(model="no-such-model", prompt="x")),
         (openai.AuthenticationError, lambda: openai.OpenAI(base_url=stack["gw"].base_url, api_key="wrong", max_retries=0)
          .completions.create(model=MODEL, prompt="x")),
     ]
+    params = []
     for exc_type, call in cases:
         with pytest.raises(exc_type) as info:
             call()
         body = info.value.body
         assert isinstance(body, dict) and body.get("message"), body  # OpenAI's error object
+        params.append(body.get("param"))
+    assert params[4:8] == ["logprobs", "logprobs", "top_logprobs", "top_logprobs"]  # the field the client sent
     assert cases and info.value.status_code == 401
     with pytest.raises(openai.NotFoundError) as nf:
         c.completions.create(model="no-such-model", prompt="x")

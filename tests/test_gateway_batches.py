@@ -91,7 +91,8 @@ def test_files_and_batch_to_completed_output_validates(stack, tmp_path):
         chat_line("parts", messages=[{"role": "user", "content": parts}], max_tokens=5, seed=1),
         chat_line("two", messages=[{"role": "user", "content": "pick"}], n=2, max_completion_tokens=3, seed=2),
         chat_line("no-max", messages=[{"role": "developer", "content": "be long"}, {"role": "user", "content": "go"}]),
-        chat_line("lp", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2),
+        chat_line("lp", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2, max_tokens=4, seed=3),
+        chat_line("lp-21", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=21),
         {"custom_id": "other-url", "method": "POST", "url": "/v1/completions", "body": {"model": MODEL, "prompt": "p"}},
         b"{not json",
     ]
@@ -109,10 +110,10 @@ def test_files_and_batch_to_completed_output_validates(stack, tmp_path):
     batch = raw_batch(c, created.id)
     assert batch.endpoint == "/v1/chat/completions" and batch.completion_window == "24h" and batch.metadata == {"run": "acceptance-4"}
     assert isinstance(batch.created_at, int) and batch.completed_at >= batch.created_at
-    assert batch.request_counts.total == 6 and batch.request_counts.completed == 3 and batch.request_counts.failed == 3
+    assert batch.request_counts.total == 7 and batch.request_counts.completed == 4 and batch.request_counts.failed == 3
 
     out = [json.loads(x) for x in c.files.content(batch.output_file_id).read().splitlines()]
-    assert [o["custom_id"] for o in out] == ["parts", "two", "no-max"]
+    assert [o["custom_id"] for o in out] == ["parts", "two", "no-max", "lp"]
     bodies = {}
     for o in out:
         assert o["error"] is None and o["response"]["status_code"] == 200
@@ -127,10 +128,19 @@ def test_files_and_batch_to_completed_output_validates(stack, tmp_path):
     # no max_tokens: runs until the context is full, not OpenAI's old 16
     no_max = bodies["no-max"]
     assert no_max.choices[0].finish_reason == "length" and no_max.usage.prompt_tokens + no_max.usage.completion_tokens == 128
+    # logprobs in OpenAI's chat shape, the engine's values; lines that did not ask have none
+    x_prompt = fake.tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+    want = fake.expected_logprobs(x_prompt, 3, 4, k=2)
+    content = bodies["lp"].choices[0].logprobs.content
+    assert [t.token for t in content] == [f"<{next(iter(d))}>" for d in want]
+    for t, d in zip(content, want, strict=True):
+        assert t.logprob == next(iter(d.values())) and t.bytes == list(t.token.encode())
+        assert [(a.token, a.logprob) for a in t.top_logprobs] == [(f"<{i}>", v) for i, v in d.items()]
+    assert bodies["parts"].choices[0].logprobs is None
 
     errors = [json.loads(x) for x in c.files.content(batch.error_file_id).read().splitlines()]
     reasons = {e["custom_id"]: e["error"]["message"] for e in errors}
-    assert "logprobs" in reasons["lp"] and "not supported" in reasons["lp"]
+    assert "logprobs" in reasons["lp-21"] and "less than or equal to 20" in reasons["lp-21"]
     assert "differs from the batch's endpoint" in reasons["other-url"]
     assert "invalid JSON" in reasons[None]
     assert c.files.retrieve(batch.output_file_id).purpose == "batch_output"

@@ -1,16 +1,24 @@
-"""Acceptance 1 and 6 of issue 10: ``pagestream serve --model <SmolLM2 dir>`` answers the openai client,
-and its text equals ``LLM.generate`` / ``LLM.chat`` with the same seed (SmolLM2-135M on the CPU)."""
+"""Acceptance 1, 2 and 6 of issue 10: ``pagestream serve --model <SmolLM2 dir>`` answers the openai client,
+its text and logprobs equal ``LLM.generate`` / ``LLM.chat`` with the same seed, and a client that goes
+away mid-stream has its KV blocks back in the free pool within a step (SmolLM2-135M on the CPU)."""
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import openai
 import pytest
 import redis
+from openai.types.completion_choice import Logprobs
+from prometheus_client.parser import text_string_to_metric_families
 
+from pagestream.producer import JobResult, keys
+from pagestream.producer.wire import decode_out_entry
 from private_redis import free_port
 from queue_helpers import ROOT, wait_for
 from test_gateway import DB_URL
@@ -19,7 +27,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_dir, tmp_path_factory):
+def metrics_port() -> int:
+    """Where the served worker's Prometheus metrics are (``serve`` passes the env to its worker)."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_dir, tmp_path_factory, metrics_port):
     r = redis.Redis.from_url(DB_URL)
     r.flushdb()
     port = free_port()
@@ -28,7 +42,7 @@ def served(smollm2_dir, tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagestream.worker.cli", "serve", "--model", str(smollm2_dir), "--served-model-name", "smollm2",
          "--redis-url", DB_URL, "--port", str(port), "--device", "cpu", "--max-num-seqs", "4"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PAGESTREAM_METRICS_PORT": str(metrics_port)},
     )
 
     def up() -> bool:
@@ -74,3 +88,128 @@ def test_serve_answers_the_openai_client_with_the_engines_text(served, llm):
     two = served.chat.completions.create(model="smollm2", messages=msgs, n=2, temperature=1.0, seed=5, max_tokens=8)
     want_two = llm.chat(msgs, SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8), use_tqdm=False)[0].outputs
     assert [c.message.content for c in two.choices] == [o.text for o in want_two]
+
+
+def _top(d: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(d.items(), key=lambda tv: -tv[1])[:k]
+
+
+def test_logprobs_through_the_queue_equal_the_engines(served, llm):
+    from pagestream.engine import SamplingParams
+
+    tok = llm.get_tokenizer()
+    k = 3
+    prompt = "The capital of France is"
+    # greedy /v1/completions, whole and streamed
+    ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, logprobs=k), use_tqdm=False)[0].outputs[0]
+    kw = dict(model="smollm2", prompt=prompt, max_tokens=8, temperature=0, logprobs=k)
+    done = openai.types.Completion.model_validate(served.completions.with_raw_response.create(**kw).http_response.json())
+    lp = done.choices[0].logprobs
+    assert done.choices[0].text == ref.text and lp.tokens == [tok.decode([t]) for t in ref.token_ids]
+    assert lp.token_logprobs == pytest.approx([d[t] for t, d in zip(ref.token_ids, ref.logprobs)], abs=1e-5)
+    for token, tops, t, d in zip(lp.tokens, lp.top_logprobs, ref.token_ids, ref.logprobs, strict=True):
+        assert max(tops, key=tops.get) == token  # greedy: the most likely token is the one chosen
+        assert len(tops) == len({tok.decode([i]) for i, _ in _top(d, k)}) and all(v <= 0 for v in tops.values())
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    parts = [Logprobs.model_validate(ch.choices[0].logprobs.model_dump())
+             for ch in served.completions.create(**kw, stream=True) if ch.choices and ch.choices[0].logprobs]
+    assert [x for p in parts for x in p.tokens] == lp.tokens and [x for p in parts for x in p.text_offset] == lp.text_offset
+
+    # seeded sampling in chat, streamed and whole: the sampled tokens' logprobs and the top k are the engine's
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    ref = llm.chat(msgs, SamplingParams(temperature=0.7, seed=3, max_tokens=10, logprobs=k), use_tqdm=False)[0].outputs[0]
+    kw = dict(model="smollm2", messages=msgs, temperature=0.7, seed=3, max_tokens=10, logprobs=True, top_logprobs=k)
+    chunks = [openai.types.chat.ChatCompletionChunk.model_validate(ch.model_dump())
+              for ch in served.chat.completions.create(**kw, stream=True)]
+    content = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    raw = served.chat.completions.with_raw_response.create(**kw).http_response.json()
+    whole = openai.types.chat.ChatCompletion.model_validate(raw)
+    assert whole.choices[0].message.content == ref.text
+    assert [t.model_dump() for t in content] == [t.model_dump() for t in whole.choices[0].logprobs.content]
+    assert [t.token for t in content] == [tok.decode([i]) for i in ref.token_ids]
+    for t, i, d in zip(content, ref.token_ids, ref.logprobs, strict=True):
+        assert t.logprob == pytest.approx(d[i], abs=1e-5) and t.logprob <= 0 and t.bytes == list(t.token.encode())
+        assert len(t.top_logprobs) == k
+        assert [a.token for a in t.top_logprobs] == [tok.decode([j]) for j, _ in _top(d, k)]
+        assert [a.logprob for a in t.top_logprobs] == pytest.approx([v for _, v in _top(d, k)], abs=1e-5)
+
+
+def _scrape(port: int) -> dict[str, float]:
+    # only the two series read here: a scrape of everything (histograms) takes the worker's GIL for longer
+    names = {"name[]": ["pagestream_kv_free_blocks", "pagestream_engine_steps_total"]}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", params=names, timeout=5).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == "pagestream_kv_free_blocks":
+                out["free"] = smp.value
+            elif smp.name == "pagestream_engine_steps_total":
+                out["steps"] = smp.value
+    return out
+
+
+def result_of_job(r: redis.Redis, job_id: str) -> JobResult:
+    return JobResult.model_validate_json(r.hget(keys.job_hash(job_id), "result"))
+
+
+def test_a_disconnecting_client_frees_its_kv_blocks_within_a_step(served, metrics_port):
+    """Acceptance 2: the client goes away mid-stream; its job's KV blocks are back in the worker's free
+    pool (``pagestream_kv_free_blocks``), and the job ran at most the one step that was under way when
+    the cancel came (its tokens after the gateway sent the cancel).
+
+    The time from the client's close to the blocks being free is printed (BENCHMARKS.md)."""
+    r = redis.Redis.from_url(DB_URL)
+    wait_for(lambda: "free" in _scrape(metrics_port), 30, "the worker's metrics")
+    idle = _scrape(metrics_port)["free"]
+    figures = []
+    for attempt in range(5):
+        stream = served.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": f"Tell a very long story, number {attempt}."}],
+            max_tokens=1000, seed=attempt, stream=True, extra_body={"ignore_eos": True})
+        it = iter(stream)
+        first = [next(it) for _ in range(4)]  # the role chunk and a few tokens: the job runs and holds blocks
+        job_id = first[0].id.split("-", 1)[1]
+        running = _scrape(metrics_port)
+        running_at = time.time()
+        assert running["free"] < idle
+
+        samples: list[tuple[float, float, float]] = []  # (unix time, free blocks, engine steps)
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                m = _scrape(metrics_port)
+                samples.append((time.time(), m["free"], m["steps"]))
+                if m["free"] == idle:
+                    return
+                time.sleep(0.005)  # a scrape takes the worker's GIL: leave the loop room to step
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        time.sleep(0.3)  # readings of the job still running: a few steps, to say how long one takes
+        closed_at = time.time()
+        stream.close()  # the client goes away
+        sampler.join(30)
+        stop.set()
+        assert samples[-1][1] == idle, "the job's blocks never came back"
+        freed_at = samples[-1][0]
+        wait_for(lambda: r.hget(keys.job_hash(job_id), "status") == b"cancelled", 30, "the job to end cancelled")
+        # When the gateway sent the cancel: the id of its entry in the cancel stream (the server's ms clock).
+        cancel_ms = next(int(eid.split(b"-")[0]) for eid, f in r.xrange(keys.cancel_stream()) if f[b"job_id"] == job_id.encode())
+        # The job's own steps are its tokens (one per decode step, the only job running): those published before
+        # the cancel was sent (the publisher writes within ~20 ms of a step) against all it made (its result).
+        made_before = sum(len(ev.token_ids) for eid, f in r.xrange(keys.out_stream(job_id))
+                          if int(eid.split(b"-")[0]) < cancel_ms and not isinstance(ev := decode_out_entry(job_id, f), str))
+        steps_after_cancel = result_of_job(r, job_id).completion_tokens - made_before
+        # The loop reads cancels before every step: the step running when the cancel lands may finish, then the
+        # job is aborted (its blocks freed); one more for a token made just before the cancel but written after.
+        assert steps_after_cancel <= 2, (steps_after_cancel, made_before)
+        held = [s for s in samples if s[1] < idle]  # readings while the job still held its blocks
+        steps_run = held[-1][2] - running["steps"] if held else 0
+        step_ms = (held[-1][0] - running_at) * 1000 / steps_run if steps_run > 0 else None
+        figures.append(((freed_at - closed_at) * 1000, (freed_at - cancel_ms / 1000) * 1000, steps_after_cancel, step_ms))
+    close_ms = [f[0] for f in figures]
+    print(f"\ndisconnect -> blocks free: median {statistics.median(close_ms):.0f} ms, max {max(close_ms):.0f} ms; "
+          f"cancel sent -> free: median {statistics.median(f[1] for f in figures):.0f} ms; "
+          f"job steps after the cancel was sent: {[f[2] for f in figures]}; "
+          f"decode step while the job ran: median {statistics.median([f[3] for f in figures if f[3] is not None] or [0]):.0f} ms")

@@ -226,6 +226,21 @@ def test_store_kvcache(dtype, num_kv_heads, head_dim, block_size, index_dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 1000, 5000])
+def test_silu_and_mul_equals_torch_elementwise(dtype, d):
+    g = torch.Generator().manual_seed(d)
+    x = (4 * torch.randn(7, 2 * d, generator=g)).to(dtype).to(DEV)
+    out = torch.full((7, d), float("nan"), dtype=dtype, device=DEV)
+    kernels.silu_and_mul(x, out=out)
+    assert_close(out, R.silu_and_mul(x), dtype)
+    # torch's two elementwise ops (HF's MLP), to within a few ulp (exp and division differ)
+    exact = torch.nn.functional.silu(x[:, :d]) * x[:, d:]
+    torch.testing.assert_close(out, exact, rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).tiny)
+    with pytest.raises(ValueError, match="even"):
+        kernels.silu_and_mul(x[:, :-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [64, 576, 1000])
 def test_rms_norm(dtype, hidden):
     g = torch.Generator().manual_seed(hidden)

@@ -89,6 +89,7 @@ SAMPLING_VALUES = {
     "ignore_eos": maybe(st.booleans()),
     "skip_special_tokens": maybe(st.booleans()),
     "include_stop_str_in_output": maybe(st.booleans()),
+    "logprobs": maybe(st.none() | st.integers(0, 20), st.integers(-2, 25)),
 }
 assert set(SAMPLING_VALUES) == SAMPLING_FIELDS
 sampling_dicts = st.fixed_dictionaries({}, optional={**SAMPLING_VALUES, "bogus_field": junk})
@@ -168,7 +169,10 @@ def test_job_requests_round_trip_through_a_lane_entry_or_name_the_field(data):
 # ---- bulk lines -----------------------------------------------------------------------------------
 
 SPEC = BulkSpec(bulk_id="batch_props", input="/in.jsonl", output="/out")
-line_sampling = {**SAMPLING_VALUES, "n": maybe(st.just(1)), "max_completion_tokens": maybe(st.integers(1, 64))}
+line_sampling = {**SAMPLING_VALUES, "n": maybe(st.just(1)), "max_completion_tokens": maybe(st.integers(1, 64)),
+                 # chat spells them logprobs: true + top_logprobs: k, completions logprobs: k; a line may mix them up
+                 "logprobs": maybe(st.none() | st.booleans() | st.integers(0, 20), st.integers(-2, 25)),
+                 "top_logprobs": maybe(st.none() | st.integers(0, 20), st.integers(-2, 25))}
 custom_ids = maybe(text.filter(bool), any_text)
 
 

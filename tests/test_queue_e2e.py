@@ -16,7 +16,7 @@ import pytest
 
 from pagestream.producer import JobStatus, Producer
 from pagestream.producer import keys
-from tests.queue_helpers import ROOT, WorkerProc, assert_contiguous, engine_core_pid, lane_group, pending_of, pid_alive, wait_for
+from tests.queue_helpers import ROOT, WorkerProc, assert_contiguous, engine_core_pid, lane_group, pending_of, pid_alive, raw_events, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.also_on_cluster]
 
@@ -153,6 +153,66 @@ def test_kill9_worker_loses_nothing_and_seeded_jobs_resume_exactly(r, redis_url,
     for res in resumed:
         assert res.worker == "crash-b" and res.deliveries >= 2
     assert pending_of(r).get("crash-a", 0) == 0
+
+
+def test_kill9_logprobs_published_before_the_crash_stay_and_the_rerun_adds_the_rest_once(
+        r, redis_url, producer, workers, tiny_llama_dir, reference_llm):
+    from pagestream.engine import SamplingParams
+
+    k = 2
+    specs = [{**_spec(i, max_tokens=40), "logprobs": k} for i in range(1, 9)]
+    wa = workers(redis_url, tiny_llama_dir, "lp-a", "--max-num-seqs", "4", "--lease-ms", "1500")
+    wb = workers(redis_url, tiny_llama_dir, "lp-b", "--max-num-seqs", "4", "--lease-ms", "1500")
+    wa.wait_ready()
+    wb.wait_ready()
+    seen: dict[str, list] = {}
+
+    def subscribe(jid: str) -> None:
+        with Producer.from_url(redis_url) as p:
+            seen[jid] = list(p.stream(jid, timeout=120))
+
+    producer.submit_many(specs)
+    subs = [threading.Thread(target=subscribe, args=(s["job_id"],)) for s in specs]
+    for t in subs:
+        t.start()
+
+    def a_is_mid_job() -> bool:
+        mine = [s["job_id"] for s in specs if r.hget(keys.job_hash(s["job_id"]), "worker") == b"lp-a"]
+        return any(r.xlen(keys.out_stream(j)) >= 2 for j in mine) and pending_of(r).get("lp-a", 0) > 0
+
+    wait_for(a_is_mid_job, 120, "worker a to hold running jobs with published tokens")
+    before_kill = {s["job_id"]: [ev for ev in raw_events(r, s["job_id"]) if not isinstance(ev, str)] for s in specs}
+    wa.kill9()
+    results = {s["job_id"]: producer.result(s["job_id"], timeout=180) for s in specs}
+    for t in subs:
+        t.join(60)
+    resumed = [res for res in results.values() if res.resumed_from > 0]
+    assert resumed, "the kill should have interrupted jobs with published tokens"
+    for s in specs:
+        jid, res = s["job_id"], results[s["job_id"]]
+        assert res.status == JobStatus.COMPLETED, res
+        params = SamplingParams(max_tokens=40, temperature=s["temperature"], seed=s.get("seed"), logprobs=k)
+        ref = (reference_llm.chat(s["messages"], params, use_tqdm=False) if "messages" in s
+               else reference_llm.generate([s["prompt"]], params, use_tqdm=False))[0].outputs[0]
+        assert res.token_ids == ref.token_ids, jid
+        # one entry per token, in order: none lost to the crash, none published twice by the rerun
+        assert [lp.token_id for lp in res.logprobs] == res.token_ids
+        raw = raw_events(r, jid)
+        assert all(len(ev.logprobs) == len(ev.token_ids) for ev in raw if not isinstance(ev, str))
+        assert [lp.model_dump() for ev in raw if not isinstance(ev, str) for lp in ev.logprobs] == [lp.model_dump() for lp in res.logprobs]
+        assert [lp.model_dump() for ev in seen[jid] for lp in ev.logprobs] == [lp.model_dump() for lp in res.logprobs]
+        # what was published before the kill stays as it was
+        early = [lp.model_dump() for ev in before_kill[jid] for lp in ev.logprobs]
+        assert [lp.model_dump() for lp in res.logprobs][:len(early)] == early
+        # and the values are the engine's (the resumed part re-prefilled in another batch: to float32 rounding)
+        for lp, t, d in zip(res.logprobs, ref.token_ids, ref.logprobs, strict=True):
+            assert lp.logprob == pytest.approx(d[t], abs=1e-4)
+            top = sorted(d.items(), key=lambda tv: -tv[1])[:k]
+            assert [a.token_id for a in lp.top_logprobs] == [i for i, _ in top], jid
+            assert [a.logprob for a in lp.top_logprobs] == pytest.approx([v for _, v in top], abs=1e-4)
+    for res in resumed:
+        assert res.worker == "lp-b" and res.deliveries >= 2
+        assert res.logprobs[:res.resumed_from] and all(lp.token for lp in res.logprobs)
 
 
 def test_warm_shutdown_loses_nothing_and_exits_within_drain_timeout(r, redis_url, producer, workers, tiny_llama_dir, reference_llm):

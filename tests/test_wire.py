@@ -34,3 +34,25 @@ def test_what_it_returns_always_serializes_back():
     value = loads_untrusted('{"a": ["\\u00e9", {"b": "\\ud83c\\udf0d"}]}', max_bytes=100)
     assert json.dumps(value, ensure_ascii=False).encode("utf-8")  # a surrogate *pair* is one real character
     assert value["a"][1]["b"] == "🌍"
+
+
+def test_token_events_carry_logprobs_compactly_and_are_unchanged_without_them():
+    from pagestream.producer.schema import JobResult, SampleResult, TokenLogprob
+    from pagestream.producer.wire import decode_out_entry, token_event_fields
+
+    # the layout every subscriber of an earlier release reads: no new key unless logprobs were asked for
+    assert token_event_fields(0, 3, [5, 6], "ab", "stop") == {"type": "tok", "ev": '{"s":0,"i":3,"t":[5,6],"x":"ab","f":"stop"}'}
+    lps = [[5, "a", -0.25, [[5, "a", -0.25], [7, "ü", -1.5]]], [6, "b", -0.125, []]]
+    fields = token_event_fields(1, 3, [5, 6], "ab", None, lps)
+    assert fields["ev"] == '{"s":1,"i":3,"t":[5,6],"x":"ab","l":[[5,"a",-0.25,[[5,"a",-0.25],[7,"ü",-1.5]]],[6,"b",-0.125,[]]]}'
+    ev = decode_out_entry("j", {k.encode(): v.encode() for k, v in fields.items()})
+    assert ev.logprobs[0].top_logprobs[1].token == "ü" and ev.logprobs[1].logprob == -0.125
+    assert [lp.model_dump() for lp in ev.logprobs] == lps  # the typed model writes the same compact form back
+    done = JobResult(job_id="j", status="completed", outputs=[SampleResult(index=0, text="ab", token_ids=[5, 6], logprobs=ev.logprobs)])
+    res = JobResult.model_validate_json(done.model_dump_json())
+    assert res.logprobs == res.outputs[0].logprobs == ev.logprobs
+    assert done.model_dump_json().count('"ü"') == 1  # sample 0's logprobs are stored once, not again at the top
+    # dicts work too (a caller building them by hand); a short list says what it expected
+    assert TokenLogprob.model_validate({"token_id": 1, "token": "x", "logprob": -1.0}).top_logprobs == []
+    with pytest.raises(ValueError, match="expected \\[token_id, token, logprob, top_logprobs\\]"):
+        TokenLogprob.model_validate([1, "x"])

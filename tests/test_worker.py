@@ -13,6 +13,7 @@ import time
 import pytest
 import redis
 
+from pagestream.engine.errors import EngineDeadError
 from pagestream.producer import JobStatus
 from pagestream.producer import keys
 from tests.queue_helpers import assert_contiguous, stream_of_job, wait_for
@@ -152,6 +153,56 @@ def test_pel_never_exceeds_admission_plus_prefetch(r, redis_url, producer):
     assert peak == 10 and steps >= 400 * 3 / 8
     assert r.xpending(keys.jobs_stream("normal"), "workers")["pending"] == 0
     assert r.xinfo_groups(keys.jobs_stream("normal"))[0]["lag"] == 0
+
+
+def test_logprobs_ride_the_token_events_and_the_result(r, redis_url, producer):
+    w = make_worker(r, redis_url, max_num_seqs=4, publish_interval_ms=20)  # coalesced events: lists must join up
+    with_lp = producer.submit(prompt="tell me odds", max_tokens=9, seed=4, logprobs=3)
+    two = producer.submit(prompt="two samples", max_tokens=5, seed=6, n=2, logprobs=0)
+    plain = producer.submit(prompt="no odds", max_tokens=4, seed=5)
+    w.run(burst=True)
+    fake = w.engine
+    want = fake.expected_logprobs("tell me odds", 4, 9, k=3)
+    res = producer.result(with_lp, timeout=2)
+    events = list(producer.stream(with_lp, timeout=2))
+    streamed = [lp for e in events for lp in e.logprobs]
+    assert all(len(e.logprobs) == len(e.token_ids) for e in events)
+    assert [lp.model_dump() for lp in streamed] == [lp.model_dump() for lp in res.logprobs] == res.model_dump()["outputs"][0]["logprobs"]
+    assert [lp.token_id for lp in res.logprobs] == res.token_ids
+    for lp, engine_lp in zip(res.logprobs, want, strict=True):
+        assert lp.token == f"<{lp.token_id}>" and lp.logprob == engine_lp[lp.token_id]
+        assert [(a.token_id, a.token, a.logprob) for a in lp.top_logprobs] == [(t, f"<{t}>", v) for t, v in engine_lp.items()]
+    res2 = producer.result(two, timeout=2)
+    for s in res2.outputs:
+        assert len(s.logprobs) == 5 and all(lp.top_logprobs == [] for lp in s.logprobs)
+        assert [lp.logprob for lp in s.logprobs] == [d[t] for d, t in zip(fake.expected_logprobs("two samples", 6, 5, 1, s.index), s.token_ids)]
+    # a job that did not ask has no logprobs anywhere, and its events are what they were before logprobs existed
+    assert producer.result(plain, timeout=2).logprobs is None
+    assert all(e.logprobs is None for e in producer.stream(plain, timeout=2))
+    raw = [json.loads(f[b"ev"]) for _, f in r.xrange(keys.out_stream(plain)) if b"ev" in f]
+    assert raw and all(set(ev) <= {"s", "i", "t", "x", "f"} for ev in raw)
+    # the field is a count: chat's habit (True) and out-of-range counts are refused at submit, naming it
+    for bad, why in ((True, "not true/false"), (21, "less than or equal to 20"), (-1, "greater than or equal to 0")):
+        with pytest.raises(ValueError, match=why):
+            producer.submit(prompt="x", logprobs=bad)
+
+
+def test_token_texts_keep_the_top_k_and_write_only_finite_logprobs():
+    from pagestream.worker.logprobs import TokenTexts
+
+    class Tok:
+        calls = 0
+
+        def decode(self, ids):
+            Tok.calls += 1
+            return "".join(chr(96 + i) for i in ids)
+
+    tt = TokenTexts(Tok())
+    # the engine's dict: top-2 (ids 1, 2) then the sampled token 3 outside them; -inf and NaN cannot cross JSON
+    out = tt.encode([3, 1], [{1: -0.5, 2: -1.0, 3: float("-inf")}, {1: float("nan"), 2: -2.0}], k=2)
+    assert out == [[3, "c", -9999.0, [[1, "a", -0.5], [2, "b", -1.0]]], [1, "a", -9999.0, [[2, "b", -2.0], [1, "a", -9999.0]]]]
+    assert Tok.calls == 3  # each id decoded once
+    assert TokenTexts().encode([7], [{7: -0.1}], k=0) == [[7, "token_id:7", -0.1, []]]  # a model without a tokenizer
 
 
 @pytest.mark.also_on_cluster
@@ -317,6 +368,45 @@ def test_job_that_breaks_the_engine_step_is_dead_lettered_and_others_complete(r,
         t.join(20)
     (_, fields), = r.xrange(keys.dead_letter_stream())
     assert json.loads(fields[b"meta"])["job_id"] == poison
+
+
+class _DeadEngine(FakeEngine):
+    """Fails every step once work arrives, as an engine whose tensor-parallel rank died does."""
+
+    def step(self):
+        if self._running or self._waiting:
+            raise EngineDeadError("tensor-parallel rank 1 of 2 died (simulated)")
+        return super().step()
+
+
+def test_a_dead_engine_stops_the_worker_and_another_completes_its_jobs(r, redis_url, producer):
+    ids = [producer.submit(prompt=f"job {i}", max_tokens=3, seed=i) for i in range(3)]
+    w = make_worker(r, redis_url, engine=_DeadEngine(FakeConfig(max_num_seqs=4)), max_num_seqs=4, max_deliveries=1)
+    raised = []
+
+    def run():
+        try:
+            w.run()  # not burst: only the dead engine ends it
+        except EngineDeadError as exc:
+            raised.append(exc)
+
+    import threading
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(20)
+    if t.is_alive():
+        w.request_stop(cold=True)
+        t.join(20)
+        pytest.fail("the worker kept serving on a dead engine")
+    assert raised, "the worker stopped without raising EngineDeadError"
+    # no job was failed or dead-lettered for the engine's death, not even with max_deliveries=1 ...
+    assert not r.xrange(keys.dead_letter_stream())
+    # ... and another worker takes them over at once (the dead one's entries are handed back)
+    other = make_worker(r, redis_url, consumer="w2", max_num_seqs=4, max_deliveries=1)
+    other.run(burst=True)
+    for j in ids:
+        assert producer.result(j, timeout=5).status == JobStatus.COMPLETED
 
 
 @pytest.mark.also_on_cluster

@@ -69,7 +69,8 @@ def build_engine(settings) -> object:
             model=model, device=settings.device, dtype=settings.dtype,
             max_num_seqs=settings.max_num_seqs or (256 if on_gpu else 8),
             max_model_len=settings.max_model_len, seed=settings.seed, block_size=settings.block_size,
-            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager, **extra,
+            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager,
+            tensor_parallel_size=settings.tensor_parallel_size, **extra,
         )
         if settings.engine_process if settings.engine_process is not None else on_gpu:
             from pagestream.engine.core_process import EngineProcess
@@ -104,6 +105,8 @@ def worker(
         help="run the engine core in its own process, so queue work never holds the GIL its step needs"),
     max_num_seqs: Optional[int] = _wopt("--max-num-seqs", "max_num_seqs", "sequences the engine runs at once",
                                         "256 on a GPU, 8 on the CPU"),
+    tensor_parallel_size: Optional[int] = _wopt("--tensor-parallel-size", "tensor_parallel_size",
+                                                "GPUs one engine spans, one process each", "1"),
     max_model_len: Optional[int] = _wopt("--max-model-len", "max_model_len", "longest prompt + output, in tokens",
                                          "the model's"),
     consumer: Optional[str] = _wopt("--consumer", "consumer", "consumer name in the group (unique per worker)", "host-pid"),
@@ -124,7 +127,7 @@ def worker(
                                   help="DEBUG | INFO | WARNING | ERROR"),
 ) -> None:
     """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
-    from pagestream.engine.outputs import EngineDeadError
+    from pagestream.engine.errors import EngineDeadError
     from pagestream.producer.redis_conn import connect
     from pagestream.worker.settings import WorkerSettings
     from pagestream.worker.worker import Worker
@@ -138,12 +141,14 @@ def worker(
         "publish_interval_ms": publish_interval_ms, "dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization,
         "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size, "enforce_eager": enforce_eager or None,
         "engine_process": engine_process,
+        "tensor_parallel_size": tensor_parallel_size,
     }
     settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
     engine = build_engine(settings)
     client = connect(settings.redis_url, health_check_interval=30)  # a single node or any node of a cluster
     w = Worker(client, engine, settings)
     if metrics_port:
+        w.metrics.watch_engine(engine)
         w.metrics.serve(metrics_port, metrics_host)
     logging.getLogger("pagestream").info("worker %s ready on %s (lanes %s)", settings.consumer, redact_url(settings.redis_url), settings.lanes)
     from pagestream.worker.routing import start_announcer

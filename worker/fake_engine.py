@@ -5,7 +5,8 @@ job resumed with ``resume_token_ids`` continues exactly like the uninterrupted
 run, as the real engine promises for seeded requests. KV blocks are accounted
 like a paged cache (``block_size`` tokens per block) so backpressure through
 ``num_admittable()`` behaves like the real thing. ``step_delay_s`` makes a step
-take time (to kill a worker mid-job in tests).
+take time (to kill a worker mid-job in tests). Logprobs, when asked for, are a pure
+function of the same position too (``expected_logprobs``).
 """
 from __future__ import annotations
 
@@ -152,7 +153,9 @@ class FakeEngine:
                 if len(toks) >= (req.params.max_tokens or self.config.max_model_len - len(req.prompt_token_ids)):
                     finish = "length"
                     req.done[s] = True
-                deltas.append(CompletionOutput(index=s, text=f"<{tok}>", token_ids=[tok], first_token_index=k, finish_reason=finish))
+                lps = None if req.params.logprobs is None else [self._logprobs(req.key, s, k, req.params.logprobs)]
+                deltas.append(CompletionOutput(index=s, text=f"<{tok}>", token_ids=[tok], first_token_index=k, finish_reason=finish,
+                                               logprobs=lps))
             finished = all(req.done)
             if finished:
                 del self._running[rid]
@@ -163,6 +166,21 @@ class FakeEngine:
     @staticmethod
     def _token(key: int, sample: int, index: int) -> int:
         return zlib.crc32(f"{key}:{sample}:{index}".encode()) % 50_000 + 1
+
+    @classmethod
+    def _logprobs(cls, key: int, sample: int, index: int, k: int) -> dict[int, float]:
+        """The engine's shape: {token_id: logprob} of the top k and the sampled token (here the most likely)."""
+        tok = cls._token(key, sample, index)
+        lp0 = -((zlib.crc32(f"lp:{key}:{sample}:{index}".encode()) % 1000) + 1) / 1000
+        out = {tok: lp0}
+        for j in range(1, k):
+            out.setdefault(tok % 50_000 + j, lp0 - j)
+        return out
+
+    def expected_logprobs(self, prompt: str, seed: int, max_tokens: int, k: int, sample: int = 0) -> list[dict[int, float]]:
+        """The logprobs a seeded request with ``logprobs=k`` yields (for tests)."""
+        key = zlib.crc32(repr((self.tokenizer.encode(prompt), seed)).encode())
+        return [self._logprobs(key, sample, i, k) for i in range(max_tokens)]
 
     def expected_text(self, prompt: str, seed: int, max_tokens: int, sample: int = 0) -> str:
         """What a seeded request yields (for tests)."""

@@ -28,6 +28,7 @@ class SampleOutput:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[list] = field(default_factory=list)  # TokenLogprob wire form, one per token id (if asked for)
 
 
 @dataclass
@@ -96,6 +97,8 @@ def load_history(client: redis.Redis, jobs: list[ActiveJob]) -> None:
             s = a.samples.setdefault(ev.sample, SampleOutput())
             s.token_ids.extend(ev.token_ids)
             s.text.append(ev.text)
+            if ev.logprobs is not None:  # as published: the re-run reports logprobs only for tokens after these
+                s.logprobs.extend(lp.model_dump() for lp in ev.logprobs)
         if a.job.sampling.n == 1 and a.samples.get(0) and a.samples[0].token_ids:
             a.resume = list(a.samples[0].token_ids)
         else:

@@ -31,8 +31,19 @@ class WorkerMetrics:
         self.running = Gauge("pagestream_running_jobs", "Jobs in the engine", registry=r)
         self.held = Gauge("pagestream_held_entries", "Lane entries this worker holds unacked (its PEL share)", registry=r)
         self.kv_usage = Gauge("pagestream_kv_usage", "Fraction of KV blocks in use", registry=r)
+        # read from the engine at scrape time (``watch_engine``), not from the half-second snapshot:
+        # blocks a cancel frees show at once, which is how a user checks that an abort let them go
+        self.kv_free_blocks = Gauge("pagestream_kv_free_blocks", "KV blocks in the engine's free pool now", registry=r)
 
         self._tokens_seen = 0
+
+    def watch_engine(self, engine: Any) -> None:
+        """Make ``pagestream_kv_free_blocks`` read the engine's free pool at each scrape."""
+        bm = getattr(engine, "block_manager", None)
+        if bm is not None:  # one len() on the free list: safe and cheap from the metrics thread
+            self.kv_free_blocks.set_function(lambda: bm.num_free_blocks)
+        else:  # the fake engine: its stats are a few integers
+            self.kv_free_blocks.set_function(lambda: engine.stats().num_free_blocks)
 
     def observe_step(self, seconds: float) -> None:
         self.steps.inc()

@@ -43,6 +43,7 @@ class Delta:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    logprobs: list[list] | None = None  # TokenLogprob wire form, one per token id (jobs that asked only)
 
 
 @dataclass(slots=True)
@@ -216,7 +217,7 @@ class Publisher:
             if d.job_id in self._broken:
                 continue
             try:
-                fields = _encoded(token_event_fields(d.sample, d.index, d.token_ids, d.text, d.finish_reason))
+                fields = _encoded(token_event_fields(d.sample, d.index, d.token_ids, d.text, d.finish_reason, d.logprobs))
             except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
                 self._broken[d.job_id] = f"a token event could not be written: {exc}"
                 log.error("job %s: %s", d.job_id, self._broken[d.job_id])
@@ -333,8 +334,14 @@ def _coalesce(items: list[object]) -> _Batch:
                 cur.token_ids.extend(it.token_ids)
                 cur.text += it.text
                 cur.finish_reason = it.finish_reason
+                if it.logprobs is not None:  # cur's list is its own (copied below): extend in place
+                    if cur.logprobs is None:
+                        cur.logprobs = list(it.logprobs)
+                    else:
+                        cur.logprobs.extend(it.logprobs)
             else:
-                cur = Delta(it.job_id, it.sample, it.index, list(it.token_ids), it.text, it.finish_reason)
+                cur = Delta(it.job_id, it.sample, it.index, list(it.token_ids), it.text, it.finish_reason,
+                            None if it.logprobs is None else list(it.logprobs))
                 b.deltas.append(cur)
                 open_delta[key] = cur
         else:

@@ -16,6 +16,7 @@ from pagestream.producer.schema import JobRequest, JobResult, JobStatus, OutputT
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
 from pagestream.worker.jobs import ActiveJob, NoAckPipe, SampleOutput, salvage
+from pagestream.worker.logprobs import TokenTexts
 from pagestream.worker.loop_state import LoopState
 from pagestream.worker.metrics import WorkerMetrics
 from pagestream.worker.publisher import UNKNOWN_JOB_ID, Delta, Final, safe_text
@@ -23,9 +24,14 @@ from pagestream.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
+_NO_TOKENIZER = TokenTexts()
 
-def collect(outputs: list, active: dict[str, ActiveJob]) -> tuple[list[Delta], list[tuple[ActiveJob, str | None]]]:
-    """One step's deltas to publish, and the jobs that finished (with the engine's error, if any)."""
+
+def collect(outputs: list, active: dict[str, ActiveJob], token_texts: TokenTexts | None = None
+            ) -> tuple[list[Delta], list[tuple[ActiveJob, str | None]]]:
+    """One step's deltas to publish, and the jobs that finished (with the engine's error, if any).
+
+    A job that asked for logprobs gets them in wire form (tokens named by ``token_texts``)."""
     # Hot path (every step, every running job): plain attribute reads only.
     deltas: list[Delta] = []
     append = deltas.append
@@ -49,8 +55,12 @@ def collect(outputs: list, active: dict[str, ActiveJob]) -> tuple[list[Delta], l
                 s.text.append(text)
             if fin is not None:
                 s.finish_reason = fin
+            lps = None
+            if c.logprobs is not None:  # the engine reports them only for jobs that asked
+                lps = (token_texts or _NO_TOKENIZER).encode(ids, c.logprobs, a.job.sampling.logprobs or 0)
+                s.logprobs.extend(lps)
             if not a.is_bulk:
-                append(Delta(a.job_id, c.index, c.first_token_index, ids, text, fin))
+                append(Delta(a.job_id, c.index, c.first_token_index, ids, text, fin, lps))
         if out.finished:
             finished.append((a, out.error))
     return deltas, finished
@@ -58,8 +68,10 @@ def collect(outputs: list, active: dict[str, ActiveJob]) -> tuple[list[Delta], l
 
 def job_result(a: ActiveJob, status: JobStatus, error: str | None, worker: str) -> JobResult:
     """The final result of a job that ran (or was stopped) in this worker."""
+    wants_logprobs = a.job.sampling.logprobs is not None
     samples = [
-        SampleResult(index=i, text="".join(s.text), token_ids=s.token_ids, finish_reason=s.finish_reason)
+        SampleResult(index=i, text="".join(s.text), token_ids=s.token_ids, finish_reason=s.finish_reason,
+                     logprobs=s.logprobs if wants_logprobs else None)
         for i, s in sorted(a.samples.items())
     ]
     first = samples[0] if samples else None
@@ -105,11 +117,13 @@ class Results:
         self.state = state
         self.metrics = metrics
         self.num_completed = 0
+        # names the tokens of logprobs; the worker hands it the engine's tokenizer
+        self.token_texts = TokenTexts()
 
     def publish(self, outputs: list, active: dict[str, ActiveJob]) -> list[object]:
         """Everything one engine step leaves to write; finished jobs leave ``active``."""
         ops: list[object] = []
-        deltas, finished = collect(outputs, active)
+        deltas, finished = collect(outputs, active, self.token_texts)
         ops.extend(deltas)
         for a, error in finished:
             del active[a.job_id]

@@ -81,6 +81,8 @@ def serve(
     device: Optional[str] = typer.Option(None, "--device", show_default="auto", help="auto | cpu | cuda (the worker's)"),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", show_default="8", help="sequences the worker's engine runs at once"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", show_default="the model's", help="longest prompt + output, in tokens"),
+    tensor_parallel_size: Optional[int] = typer.Option(
+        None, "--tensor-parallel-size", show_default="1", help="GPUs the worker's engine spans, one process each"),
     log_level: str = typer.Option("WARNING", "--log-level", help="DEBUG | INFO | WARNING | ERROR"),
 ) -> None:
     """One-command server: gateway + a worker for MODEL (+ an embedded Redis when none is configured)."""
@@ -96,7 +98,8 @@ def serve(
     path = resolve_model(model)
     cmd = [sys.executable, "-m", "pagestream.worker.cli", "worker", "--redis-url", redis_url, "--model", path,
            "--served-model-name", name, "--log-level", log_level]
-    for flag, value in (("--device", device), ("--max-num-seqs", max_num_seqs), ("--max-model-len", max_model_len)):
+    for flag, value in (("--device", device), ("--max-num-seqs", max_num_seqs), ("--max-model-len", max_model_len),
+                        ("--tensor-parallel-size", tensor_parallel_size)):
         if value is not None:
             cmd += [flag, str(value)]
     worker = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

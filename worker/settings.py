@@ -48,6 +48,7 @@ class WorkerSettings(BaseSettings):
     # run the engine core in a process of its own (engine.core_process), so the worker's Redis
     # I/O and threads never hold the GIL its step needs; None: on for CUDA, off on the CPU
     engine_process: bool | None = None
+    tensor_parallel_size: int = Field(1, ge=1)  # GPUs one engine spans (one process each)
 
     # queue behaviour
     prefetch: int = Field(2, ge=0)  # entries read beyond what the engine can admit now

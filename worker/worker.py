@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from pagestream.engine.outputs import EngineDeadError
+from pagestream.engine.errors import EngineDeadError
 from pagestream.producer.schema import JobStatus
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
@@ -48,6 +48,7 @@ class Worker:
         self.bulk = BulkJobs(client, settings, sink)
         self._active: dict[str, ActiveJob] = {}  # job_id -> job in the engine
         self.results = Results(client, settings, self.consumer, self.bulk, self.state, self.metrics)
+        self.results.token_texts.tokenizer = getattr(engine, "tokenizer", None)  # logprobs name their tokens
         self.intake = Intake(client, engine, settings, self.consumer, self.state, self.results, self.bulk, self.metrics, self._active, self.publisher.put)
         self._stop_requested = 0  # 1 warm, 2 cold
         self._control: ControlThread | None = None
@@ -100,6 +101,11 @@ class Worker:
                     self._sleep(backoff)
                     backoff = min(backoff * 2, 10.0)
                     continue
+                except EngineDeadError:
+                    # No later step can succeed (a tensor-parallel rank died): exit, and let other
+                    # workers reclaim the jobs, rather than fail every job through max_deliveries here.
+                    log.critical("the engine died; stopping this worker so its jobs go to others", exc_info=True)
+                    raise
                 except Exception:
                     # Not a job's fault (jobs fail through results): hand in-flight work back
                     # so it is redelivered (and dead-lettered after max_deliveries), keep serving.

@@ -8,6 +8,7 @@ from torch import nn
 
 from pagestream.engine.layers.norms import RMSNorm
 from pagestream.engine.layers.ops import kernel_ops
+from pagestream.engine.layers.parallel import RowParallelLinear, local_heads, qkv_parallel
 
 
 @dataclass(slots=True)
@@ -80,17 +81,22 @@ class PagedAttention(nn.Module):
 
 class SelfAttention(nn.Module):
     """Packed QKV projection, optional per-head q/k RMSNorm (Qwen3), RoPE (unless
-    ``rotary=False``, as OPT), paged attention, output projection."""
+    ``rotary=False``, as OPT), paged attention, output projection.
+
+    ``num_heads`` / ``num_kv_heads`` are the model's; under tensor parallelism this rank holds
+    num_heads / tp query heads and max(1, num_kv_heads / tp) KV heads (QKV column-parallel by
+    heads, o_proj row-parallel: one all-reduce)."""
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *, qkv_bias: bool,
                  o_bias: bool, scale: float, sliding_window: int | None = None, logit_softcap: float | None = None,
                  qk_norm_eps: float | None = None, rotary: bool = True) -> None:
         super().__init__()
+        self.qkv_proj = qkv_parallel(hidden, num_heads, num_kv_heads, head_dim, qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias)
+        num_heads, num_kv_heads = local_heads(num_heads, num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
@@ -110,5 +116,5 @@ class SelfAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.rotary:
             q, k = kernel_ops(q.device).rotary_embedding(positions, q, k, cos_sin_cache)
-        out = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.attn(q, k, v, meta)  # [num_tokens, num_heads (this rank's), head_dim]
+        return self.o_proj(out.reshape(-1, self.q_size))  # [num_tokens, hidden], summed over ranks

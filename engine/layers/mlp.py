@@ -7,6 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagestream.engine.layers.ops import kernel_ops
+from pagestream.engine.layers.parallel import ColumnParallelLinear, RowParallelLinear
+
 _ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
@@ -25,17 +28,21 @@ def activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up packed into one matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up packed into one matmul (column-parallel:
+    each rank holds intermediate / tp columns of both) and down row-parallel (one all-reduce)."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, act: str = "silu") -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear.split(hidden, [intermediate, intermediate], bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias)
         self.act = activation(act)
-        self.packed_shard_sizes = {"gate_up_proj": [intermediate, intermediate]}
+        self.packed_shard_sizes = {"gate_up_proj": self.gate_up_proj.local_sizes}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [n, intermediate] each
+        gate_up = self.gate_up_proj(x)  # [n, 2 * intermediate / tp]
+        if self.act is F.silu:  # one fused pass (Triton on CUDA), as torch would round it
+            return self.down_proj(kernel_ops(x.device).silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [n, intermediate / tp] each
         return self.down_proj(self.act(gate) * up)
 
 
@@ -44,8 +51,8 @@ class PlainMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, act: str) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(hidden, intermediate, bias=bias)
-        self.fc2 = nn.Linear(intermediate, hidden, bias=bias)
+        self.fc1 = ColumnParallelLinear.split(hidden, [intermediate], bias)
+        self.fc2 = RowParallelLinear(intermediate, hidden, bias)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

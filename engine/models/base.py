@@ -5,7 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagestream.engine.distributed import current_tp
 from pagestream.engine.layers.attention import AttentionMetadata, PagedAttention
+from pagestream.engine.layers.parallel import ParallelLMHead, local_heads
 from pagestream.engine.layers.rotary import rope_settings
 from pagestream.kernels.reference import soft_cap
 
@@ -31,15 +33,20 @@ class CausalLM(nn.Module):
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.tp = current_tp()  # the group this model's layers are built for (size 1: no parallelism)
+
     def init_decoder_facts(self, cfg: dict, tie_default: bool) -> None:
-        """head_dim, num_kv_heads, RoPE settings and the LM head (None when tied) of a RoPE decoder."""
+        """head_dim, num_kv_heads (this rank's), RoPE settings and the LM head (None when tied) of a RoPE decoder."""
         self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        self.vocab_size = cfg["vocab_size"]
+        _, self.num_kv_heads = local_heads(cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
         self.rope_theta, self.rope_scaling = rope_settings(cfg)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", tie_default))
         self.lm_head = None
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+            self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
 
     def attention_layers(self) -> list[PagedAttention]:
         return [m for m in self.modules() if isinstance(m, PagedAttention)]
@@ -47,11 +54,14 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata, cos_sin_cache) -> torch.Tensor:
         return self.model(input_ids, positions, meta, cos_sin_cache)  # [num_tokens, hidden]
 
-    def input_embedding(self) -> nn.Embedding:
+    def input_embedding(self) -> nn.Module:
         return self.model.embed_tokens
 
-    def output_embedding(self) -> torch.Tensor:  # [vocab, hidden]
+    def output_embedding(self) -> torch.Tensor:  # [padded vocab / tp, hidden]: this rank's rows
         return (self.input_embedding() if self.lm_head is None else self.lm_head).weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        return soft_cap(F.linear(hidden, self.output_embedding()), self.final_logit_softcap)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        logits = F.linear(hidden, self.output_embedding())  # [n, padded vocab / tp]
+        if self.tp.size > 1:  # every rank takes part; rank 0 samples from the whole vocabulary
+            logits = self.tp.gather_last_dim(logits)[:, : self.vocab_size]
+        return soft_cap(logits, self.final_logit_softcap)

@@ -9,6 +9,7 @@ from torch import nn
 from pagestream.engine.layers.attention import SelfAttention, layer_sliding_windows
 from pagestream.engine.layers.mlp import GatedMLP
 from pagestream.engine.layers.norms import GemmaRMSNorm
+from pagestream.engine.layers.parallel import VocabParallelEmbedding
 from pagestream.engine.models.base import CausalLM
 
 
@@ -41,7 +42,7 @@ class Gemma2Model(nn.Module):
     def __init__(self, cfg: dict, head_dim: int) -> None:
         super().__init__()
         self.hidden_size = cfg["hidden_size"]
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], self.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], self.hidden_size)
         num_layers = cfg["num_hidden_layers"]
         # transformers 4 configs have no layer_types: sliding on even layers, as HF's default
         default_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]

@@ -12,6 +12,7 @@ from torch import nn
 from pagestream.engine.layers.attention import SelfAttention, layer_sliding_windows
 from pagestream.engine.layers.mlp import GatedMLP
 from pagestream.engine.layers.norms import RMSNorm
+from pagestream.engine.layers.parallel import VocabParallelEmbedding
 from pagestream.engine.models.base import CausalLM
 
 
@@ -45,7 +46,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: dict, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, head_dim, qkv_bias, o_bias, qk_norm, window)
             for window in layer_sliding_windows(cfg)

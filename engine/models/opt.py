@@ -8,6 +8,7 @@ from torch import nn
 
 from pagestream.engine.layers.attention import AttentionMetadata, SelfAttention
 from pagestream.engine.layers.mlp import PlainMLP
+from pagestream.engine.layers.parallel import ParallelLMHead, VocabParallelEmbedding, local_heads
 from pagestream.engine.models.base import CausalLM
 
 POSITION_OFFSET = 2  # OPT's learned position table starts two rows in (a fairseq legacy)
@@ -43,7 +44,7 @@ class OPTDecoder(nn.Module):
         super().__init__()
         hidden = cfg["hidden_size"]
         embed_dim = cfg.get("word_embed_proj_dim") or hidden
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], embed_dim)
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], embed_dim)
         self.embed_positions = nn.Embedding(cfg["max_position_embeddings"] + POSITION_OFFSET, hidden)
         self.project_in = nn.Linear(embed_dim, hidden, bias=False) if embed_dim != hidden else None
         self.project_out = nn.Linear(hidden, embed_dim, bias=False) if embed_dim != hidden else None
@@ -80,15 +81,16 @@ class OPTForCausalLM(CausalLM):
         super().__init__()
         self.cfg = cfg
         self.model = OPTModel(cfg)
+        self.vocab_size = cfg["vocab_size"]
         self.lm_head = None
         if not cfg.get("tie_word_embeddings", True):
             embed_dim = cfg.get("word_embed_proj_dim") or cfg["hidden_size"]
-            self.lm_head = nn.Linear(embed_dim, cfg["vocab_size"], bias=False)
+            self.lm_head = ParallelLMHead(cfg["vocab_size"], embed_dim)
         self.head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-        self.num_kv_heads = cfg["num_attention_heads"]
+        _, self.num_kv_heads = local_heads(cfg["num_attention_heads"], cfg["num_attention_heads"])
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, cos_sin_cache) -> torch.Tensor:
         return self.model.decoder(input_ids, positions, meta, cos_sin_cache)  # [num_tokens, word_embed_proj_dim]
 
-    def input_embedding(self) -> nn.Embedding:
+    def input_embedding(self) -> nn.Module:
         return self.model.decoder.embed_tokens
