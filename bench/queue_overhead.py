@@ -1,6 +1,6 @@
 """What the queue costs: the worker loop driven by an instant fake engine, against Redis's own XADD floor.
 
-    .venv/bin/python bench/queue_overhead.py [--redis-url redis://127.0.0.1:6379/15] [--jobs 2048] [--max-tokens 32]
+    .venv/bin/python bench/queue_overhead.py [--redis-url redis://127.0.0.1:6379/15] [--jobs 2048] [--max-tokens 32] [--cluster]
 
 Phases, all in one run on the same Redis:
   0. floor: ``redis-benchmark`` XADD (1 client, no pipelining and -P 64; 50 clients -P 16),
@@ -11,6 +11,9 @@ Phases, all in one run on the same Redis:
   2. latency (worker as a separate ``pagestream worker --model fake`` process): submit at a
      steady rate, one subscriber; p50/p99 enqueue-to-first-token (the fake engine is
      instant, so this is all queue: XREADGROUP wake-up, admission, coalescing, XREAD).
+With ``--cluster`` phases 1 and 2 run again, in the same run, on a 3-master Redis Cluster the
+bench starts on free loopback ports (``tests/redis_cluster.py``, as the cluster tests do) and
+stops at the end: the same worker and producer code on a sharded layout.
 It FLUSHES the Redis db it is given: use a db nobody else uses.
 """
 from __future__ import annotations
@@ -33,7 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 import redis  # noqa: E402
 
+sys.path.insert(0, str(ROOT))  # tests.redis_cluster: the same 3-master cluster the tests start
+
 from pagestream.producer import Producer, keys  # noqa: E402
+from pagestream.producer.redis_conn import connect  # noqa: E402
+from tests.queue_helpers import lane_group  # noqa: E402
 
 
 def redis_benchmark_floor(url: str, n: int) -> dict[str, float]:
@@ -73,13 +80,17 @@ def redis_py_floor(url: str, n: int) -> dict[str, float]:
     return {"one_at_a_time": one, "pipelined_64": piped}
 
 
+def _flush(r) -> None:
+    r.flushdb()  # redis-py sends it to every master of a cluster
+
+
 def throughput(url: str, num_jobs: int, max_tokens: int, max_num_seqs: int, interval_ms: float) -> dict[str, float]:
     from pagestream.worker.fake_engine import FakeConfig, FakeEngine
     from pagestream.worker.settings import WorkerSettings
     from pagestream.worker.worker import Worker
 
-    r = redis.Redis.from_url(url)
-    r.flushdb()
+    r = connect(url)
+    _flush(r)
     p = Producer(r)
     for start in range(0, num_jobs, 512):
         p.submit_many([{"prompt": f"job {i}", "max_tokens": max_tokens, "seed": i} for i in range(start, min(num_jobs, start + 512))])
@@ -115,7 +126,7 @@ def throughput(url: str, num_jobs: int, max_tokens: int, max_num_seqs: int, inte
     t0 = time.perf_counter()
     w.run(burst=True)
     wall = time.perf_counter() - t0
-    g = r.xinfo_groups(keys.jobs_stream("normal"))[0]
+    g = lane_group(r, "normal")  # summed over the lane's shards on a cluster
     assert g["entries-read"] == num_jobs and g["pending"] == 0, g
     overhead = [it - st for it, st in iter_full]
     res = {
@@ -132,13 +143,13 @@ def throughput(url: str, num_jobs: int, max_tokens: int, max_num_seqs: int, inte
         "queue_ms_per_step_full_mean": 1000 * statistics.fmean(overhead) if overhead else float("nan"),
         "fake_engine_ms_per_step_full": 1000 * statistics.median([s for _, s in iter_full]) if iter_full else float("nan"),
     }
-    r.flushdb()
+    _flush(r)
     return res
 
 
 def latency(url: str, num_jobs: int, rate_per_s: float, max_num_seqs: int, interval_ms: float) -> dict[str, float]:
-    r = redis.Redis.from_url(url)
-    r.flushdb()
+    r = connect(url)
+    _flush(r)
     log_path = Path(tempfile.mkdtemp(prefix="ps-bench-")) / "worker.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
@@ -158,14 +169,14 @@ def latency(url: str, num_jobs: int, rate_per_s: float, max_num_seqs: int, inter
         finished = threading.Event()
 
         def subscriber() -> None:
-            sub = redis.Redis.from_url(url)
+            sub = connect(url)
             while not finished.is_set():
                 with lock:
                     waiting = {keys.out_stream(j): "0-0" for j in submitted if j not in first}
                 if not waiting:
                     time.sleep(0.0005)
                     continue
-                resp = sub.xread(waiting, count=1, block=2)
+                resp = _xread_any(sub, waiting)
                 now = time.perf_counter()
                 for stream, _ in resp or []:
                     jid = stream.decode().split("{", 1)[1].rstrip("}")
@@ -195,9 +206,23 @@ def latency(url: str, num_jobs: int, rate_per_s: float, max_num_seqs: int, inter
         proc.terminate()
         proc.wait(30)
         log.close()
-        r.flushdb()
+        _flush(r)
     q = statistics.quantiles(lat, n=100)
     return {"jobs": num_jobs, "seen": len(lat), "rate_per_s": rate_per_s, "p50_ms": q[49], "p99_ms": q[98], "max_ms": lat[-1]}
+
+
+def _xread_any(client, waiting: dict[str, str]):
+    """XREAD of many out streams: one blocking call on a single node; on a cluster (one slot per
+    call) a pipeline of non-blocking reads, then a short pause when nothing came."""
+    if not hasattr(client, "get_primaries"):
+        return client.xread(waiting, count=1, block=2)
+    pipe = client.pipeline(transaction=False)
+    for stream, last in waiting.items():
+        pipe.xread({stream: last}, count=1)
+    resp = [row for res in pipe.execute() for row in res or []]
+    if not resp:
+        time.sleep(0.0005)
+    return resp
 
 
 def main() -> None:
@@ -211,6 +236,7 @@ def main() -> None:
     ap.add_argument("--latency-rate", type=float, default=100.0)
     ap.add_argument("--floor-n", type=int, default=100_000)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--cluster", action="store_true", help="also run phases 1 and 2 on a 3-master Redis Cluster started here")
     a = ap.parse_args()
 
     machine = f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, redis-py {redis.__version__}, " \
@@ -222,6 +248,19 @@ def main() -> None:
         "throughput": throughput(a.redis_url, a.jobs, a.max_tokens, a.max_num_seqs, a.interval_ms),
         "latency": latency(a.redis_url, a.latency_jobs, a.latency_rate, a.max_num_seqs, a.interval_ms),
     }
+    if a.cluster:
+        from tests.redis_cluster import RedisClusterProcs
+
+        cluster = RedisClusterProcs(num_masters=3)
+        try:
+            layout = Producer.from_url(cluster.url).layout()
+            res["cluster"] = {
+                "masters": 3, "lane_shards": layout.num_shards,
+                "throughput": throughput(cluster.url, a.jobs, a.max_tokens, a.max_num_seqs, a.interval_ms),
+                "latency": latency(cluster.url, a.latency_jobs, a.latency_rate, a.max_num_seqs, a.interval_ms),
+            }
+        finally:
+            cluster.stop()
     if a.json:
         print(json.dumps(res, indent=2))
         return
@@ -237,6 +276,15 @@ def main() -> None:
           f"{t['fake_engine_ms_per_step_full']:.2f} ms)")
     print(f"enqueue -> first token ({lt['seen']}/{lt['jobs']} jobs at {lt['rate_per_s']:.0f}/s, worker process): "
           f"p50 {lt['p50_ms']:.1f} ms, p99 {lt['p99_ms']:.1f} ms, max {lt['max_ms']:.1f} ms")
+    if a.cluster:
+        c = res["cluster"]
+        ct, cl = c["throughput"], c["latency"]
+        print(f"CLUSTER ({c['masters']} masters, {c['lane_shards']} shards per lane), same worker and workload:")
+        print(f"  worker: {ct['wall_s']:.2f} s, {ct['jobs_per_s']:,.0f} jobs/s, {ct['tokens_per_s']:,.0f} tokens/s, "
+              f"{ct['events_written_per_s']:,.0f} events (XADD)/s at {ct['tokens_per_event']:.1f} tokens/event; "
+              f"queue time per full step p50 {ct['queue_ms_per_step_full_p50']:.2f} ms, mean {ct['queue_ms_per_step_full_mean']:.2f} ms")
+        print(f"  enqueue -> first token ({cl['seen']}/{cl['jobs']} jobs at {cl['rate_per_s']:.0f}/s): "
+              f"p50 {cl['p50_ms']:.1f} ms, p99 {cl['p99_ms']:.1f} ms, max {cl['max_ms']:.1f} ms")
 
 
 if __name__ == "__main__":

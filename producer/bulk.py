@@ -25,8 +25,9 @@ import redis
 from pydantic import BaseModel, Field
 
 from pagestream.producer import keys
-from pagestream.producer.bulk_storage import AddressingStyle, StorageSettings
 from pagestream.producer.bulk_rq import BULK_QUEUE, RUN_BULK_FUNC, bulk_queue, fetch_job_status, rq_connection
+from pagestream.producer.bulk_storage import AddressingStyle, StorageSettings
+from pagestream.producer.redis_conn import connect
 from pagestream.producer.schema import Lane
 
 #: orchestrator lease: a dead orchestrator's bulk is picked up again this long after its last heartbeat
@@ -172,7 +173,7 @@ def submit_bulk(
     if connection is None:
         if redis_url is None:
             raise ValueError("pass redis_url or connection")
-        connection = redis.Redis.from_url(redis_url, decode_responses=True)
+        connection = connect(redis_url, decode_responses=True)
     bulk_id = create_bulk(input, output, connection=connection, **options)
     enqueue_run(connection, bulk_id, queue_name=queue_name)
     return bulk_id

@@ -38,7 +38,9 @@ from pagestream.producer.bulk_io import CHAT_URL, COMPLETIONS_URL, BadLine, Bulk
 from pagestream.producer.bulk_storage import StorageError, StorageSettings, open_input, open_storage
 from pagestream.producer.client import Producer
 from pagestream.producer.limits import job_limits
-from pagestream.producer.redis_conn import outage_proof, outage_retry, same_server
+from pagestream.producer.redis_conn import is_cluster, outage_proof, outage_retry, same_server
+from pagestream.producer.settings import redis_url as main_redis_url
+from pagestream.producer.settings import rq_redis_url
 from pagestream.producer.schema import JobRequest, OutputTarget, format_validation_error
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,10 @@ def run_bulk(bulk_id: str, redis_url: str | None = None) -> dict[str, Any]:
     from rq import get_current_job
 
     job = get_current_job()
+    if redis_url is None and rq_redis_url() is not None:
+        # RQ runs on a Redis of its own (the bulk's Redis is a cluster): the bulk-worker names
+        # the bulk's Redis in PAGESTREAM_REDIS_URL, never the job (its argument is the bulk id alone)
+        redis_url = main_redis_url()
     if redis_url is not None:
         conn = outage_proof(redis_url, decode_responses=True)
     elif job is not None:
@@ -361,9 +367,19 @@ class Orchestrator:
         # Routing by model: a line whose model some worker announces goes to that model's lanes;
         # any other stays on the shared lanes, for workers that serve no named model.
         live = set(self.producer.live_models()) if jobs else set()
+        routed = [{**fields, "model": fields["model"] if fields["model"] in live else None} for fields in jobs]
+        if routed and is_cluster(self.conn):
+            # On a cluster the jobs cannot join the checkpoint's transaction (other slots): they
+            # are submitted first, then the checkpoint commits. A crash between the two re-feeds
+            # the chunk on resume, and its job ids (bulk id + line) make every submit a no-op.
+            self._check_lease()
+            self.producer.submit_many(routed, queue_unserved=True)
+            routed_in_commit: list[dict[str, Any]] = []
+        else:
+            routed_in_commit = routed
         while True:
             self._check_lease()
-            with self.conn.pipeline() as pipe:
+            with self.conn.pipeline(transaction=True) as pipe:  # the lease and status hash share the bulk's slot
                 try:
                     pipe.watch(self.lock_key)
                     if _text(pipe.get(self.lock_key)) != self.token:
@@ -371,9 +387,8 @@ class Orchestrator:
                     if last_line is not None and int(pipe.hget(self.key, "line") or 0) >= last_line:
                         return  # this commit landed but its reply was lost (Redis went away): not twice
                     pipe.multi()
-                    for fields in jobs:
-                        model = fields["model"] if fields["model"] in live else None
-                        self.producer.submit(pipeline=pipe, queue_unserved=True, **{**fields, "model": model})
+                    for fields in routed_in_commit:
+                        self.producer.submit(pipeline=pipe, queue_unserved=True, **fields)
                     mapping: dict[str, Any] = {}
                     if last_line is not None:
                         mapping["line"] = last_line
@@ -441,7 +456,7 @@ class Orchestrator:
                            header=manifest_header(self.spec, final.value), on_progress=self._check_lease)
         self._check_lease()
         counts = manifest["request_counts"]
-        pipe = self.conn.pipeline()
+        pipe = self.conn.pipeline(transaction=True)  # every key here carries the bulk's hash tag
         pipe.hset(self.key, mapping={
             "status": final.value, "finished_at": repr(time.time()), "manifest": out.describe("manifest.json"),
             "final_counts": json.dumps(counts)})

@@ -19,7 +19,8 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from pagestream.producer.redis_conn import same_server
+from pagestream.producer.redis_conn import is_cluster, same_server
+from pagestream.producer.settings import rq_redis_url
 
 #: the RQ queue bulk orchestration jobs go to
 BULK_QUEUE = "pagestream-bulk"
@@ -71,8 +72,25 @@ class BulkJob(Job):
         return None
 
 
+class RQNeedsSingleNode(ValueError):
+    """The main Redis is a cluster and no single-node Redis was named for RQ."""
+
+
 def rq_connection(conn: redis.Redis) -> redis.Redis:
-    """A client for RQ on the same server as ``conn``: RQ wants bytes back, our helpers decode."""
+    """A client for RQ (it wants bytes back, our helpers decode): ``PAGESTREAM_RQ_REDIS_URL`` when
+    set, else the same server as ``conn``.
+
+    RQ cannot use Redis Cluster: its enqueue is a transaction over the job hash, the queue
+    list and the queue set, fixed names in different slots. With a cluster, the bulk queue
+    lives on a single-node Redis of its own; everything else of a bulk (status hash, lease,
+    jobs, lanes) stays on the cluster.
+    """
+    url = rq_redis_url()
+    if url is not None:
+        return redis.Redis.from_url(url)
+    if is_cluster(conn):
+        raise RQNeedsSingleNode("the bulk queue (RQ) does not run on Redis Cluster: set PAGESTREAM_RQ_REDIS_URL "
+                                "(or --rq-redis-url) to a single-node Redis for it")
     return same_server(conn, decode_responses=False)
 
 

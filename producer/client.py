@@ -22,6 +22,7 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
 
 from pagestream.producer.client_core import (
     SCRIPTS,
@@ -34,8 +35,13 @@ from pagestream.producer.client_core import (
     Sleep,
     Steps,
     build_request,
+    call_script,
 )
+from pagestream.producer.lanes import LaneLayout
+from pagestream.producer.redis_conn import connect, connect_async, is_cluster
 from pagestream.producer.schema import JobRequest, JobResult, JobStatus, TokenEvent
+
+_ASYNC_PIPELINES = (aioredis.client.Pipeline, AsyncClusterPipeline)
 
 __all__ = ["AsyncProducer", "JobNotFound", "ModelNotServed", "Producer", "build_request"]
 
@@ -51,12 +57,13 @@ class Producer:
 
     def __init__(self, client: redis.Redis, reconnect_timeout_s: float = 60.0) -> None:
         self.redis = client
-        self.core = ProducerCore(reconnect_timeout_s)
+        self.core = ProducerCore(reconnect_timeout_s, cluster=is_cluster(client))
         self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> Producer:
-        return cls(redis.Redis.from_url(url, **kwargs))
+        """A producer for ``url``: a single node, or any node of a Redis Cluster (detected)."""
+        return cls(connect(url, **kwargs))
 
     def close(self) -> None:
         self.redis.close()
@@ -73,9 +80,11 @@ class Producer:
         if isinstance(op, Sleep):
             time.sleep(op.seconds)
             return None
-        fn = self._scripts[op.method] if op.script else getattr(op.on if op.on is not None else self.redis, op.method)
         try:
-            return fn(*op.args, **op.kwargs)
+            if op.script:
+                kw = op.kwargs
+                return call_script(self._scripts[op.method], kw["keys"], kw["args"], kw.get("client", self.redis))
+            return getattr(op.on if op.on is not None else self.redis, op.method)(*op.args, **op.kwargs)
         except TRANSIENT_ERRORS as exc:
             if op.retry:
                 return Failed(exc)
@@ -142,6 +151,10 @@ class Producer:
         """Models some live worker announced (``pagestream worker --served-model-name``)."""
         return self._run(self.core.live_models())
 
+    def layout(self) -> LaneLayout:
+        """This Redis's lane streams: one per lane on a single node, ``lane_shards`` per lane on a cluster."""
+        return self._run(self.core.layout())
+
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Wait for the final result. Raises ``TimeoutError`` after ``timeout`` s, ``JobNotFound`` if unknown."""
         return self._run(self.core.result(job_id, timeout))
@@ -163,12 +176,12 @@ class AsyncProducer:
 
     def __init__(self, client: aioredis.Redis, reconnect_timeout_s: float = 60.0) -> None:
         self.redis = client
-        self.core = ProducerCore(reconnect_timeout_s)
+        self.core = ProducerCore(reconnect_timeout_s, cluster=is_cluster(client))
         self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> AsyncProducer:
-        return cls(aioredis.Redis.from_url(url, **kwargs))
+        return cls(connect_async(url, **kwargs))
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -185,10 +198,14 @@ class AsyncProducer:
         if isinstance(op, Sleep):
             await asyncio.sleep(op.seconds)
             return None
-        fn = self._scripts[op.method] if op.script else getattr(op.on if op.on is not None else self.redis, op.method)
         try:
-            reply = fn(*op.args, **op.kwargs)
-            return await reply if inspect.isawaitable(reply) else reply
+            if op.script:
+                kw = op.kwargs
+                reply = call_script(self._scripts[op.method], kw["keys"], kw["args"], kw.get("client", self.redis))
+            else:
+                reply = getattr(op.on if op.on is not None else self.redis, op.method)(*op.args, **op.kwargs)
+            # a queued command returns its pipeline, and awaiting a cluster pipeline empties it
+            return await reply if inspect.isawaitable(reply) and not isinstance(reply, _ASYNC_PIPELINES) else reply
         except TRANSIENT_ERRORS as exc:
             if op.retry:
                 return Failed(exc)
@@ -241,6 +258,9 @@ class AsyncProducer:
 
     async def live_models(self) -> list[str]:
         return await self._run(self.core.live_models())
+
+    async def layout(self) -> LaneLayout:
+        return await self._run(self.core.layout())
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         return await self._run(self.core.result(job_id, timeout))

@@ -22,6 +22,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 
 from pagestream.producer import keys
+from pagestream.producer.lanes import SINGLE, LaneLayout, layout_args
+from pagestream.producer.redis_conn import queue_script
 from pagestream.producer.schema import JobRequest, JobResult, JobStatus, TokenEvent
 from pagestream.producer.wire import END_TYPE, JOB_FIELD, TYPE_FIELD, EventDeduper, decode_out_entry, job_fields
 
@@ -59,11 +61,67 @@ if st == '{JobStatus.QUEUED.value}' then
   redis.call('EXPIRE', KEYS[1], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
 end
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'job_id', ARGV[1])
+if KEYS[3] then  -- on a cluster the cancel stream is in another slot: the caller XADDs it next
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'job_id', ARGV[1])
+end
 return st
 """
 
-SCRIPTS = {"submit": SUBMIT_LUA, "cancel": CANCEL_LUA}
+# Redis Cluster: the job hash and the lane shard are in different slots, so a submit is three
+# steps, each in one slot, ordered so a crash anywhere keeps "accepted once XADD returned" and
+# at most one entry runs per job (RELIABILITY.md, "Redis Cluster"):
+#   1. RESERVE (job slot): a job whose hash names its entry already is a no-op; else the hash
+#      is written as queued (without an entry) before anything is queued, so a worker reading
+#      the entry always finds it. A half-done submit (hash, no entry) goes on to step 2.
+#   2. XADD to the lane shard (the shard's slot).
+#   3. SETTLE (job slot): the first entry named in the hash wins (HSETNX). A worker that reads an
+#      entry before step 3 names it the same way (worker.intake), so a retried submit whose earlier
+#      XADD survived a crash leaves a second entry that loses, and is deleted here or acked unrun by
+#      the worker that reads it.
+# KEYS: job hash. ARGV: lane, created_at, result_ttl_s, key TTL while queued
+RESERVE_LUA = f"""
+local st, e = unpack(redis.call('HMGET', KEYS[1], 'status', 'entry_id'))
+if e then return {{0, e}} end
+if st then
+  if st ~= '{JobStatus.QUEUED.value}' then return {{0, ''}} end
+  return {{1, ''}}
+end
+redis.call('HSET', KEYS[1], 'status', '{JobStatus.QUEUED.value}', 'lane', ARGV[1], 'created_at', ARGV[2],
+           'result_ttl_s', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return {{1, ''}}
+"""
+
+# KEYS: job hash. ARGV: entry id, lane key (keys.lane_key). Returns {won 1/0, entry id, lane key} of the
+# job's entry. Used by the producer (step 3 above) and by a worker that reads the entry first.
+CLAIM_ENTRY_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, '', ''} end
+if redis.call('HSETNX', KEYS[1], 'entry_id', ARGV[1]) == 1 then
+  redis.call('HSET', KEYS[1], 'entry_lane', ARGV[2])
+  return {1, ARGV[1], ARGV[2]}
+end
+local e, l = unpack(redis.call('HMGET', KEYS[1], 'entry_id', 'entry_lane'))
+l = l or ''
+if e == ARGV[1] and l == ARGV[2] then return {1, e, l} end
+return {0, e, l}
+"""
+
+SCRIPTS = {"submit": SUBMIT_LUA, "cancel": CANCEL_LUA, "reserve": RESERVE_LUA, "claim": CLAIM_ENTRY_LUA}
+
+
+def call_script(script: Any, keys_: list, args: list, client: Any) -> Any:
+    """Run a registered script on ``client``. A cluster pipeline cannot load a script it lacks
+    (redis-py queues EVALSHA and the NOSCRIPT comes back at execute), so there it is sent whole."""
+    from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
+    from redis.cluster import ClusterPipeline
+
+    if isinstance(client, (ClusterPipeline, AsyncClusterPipeline)):
+        return queue_script(client, "EVAL", script.script, keys_, args)
+    return script(keys=keys_, args=args, client=client)
+
+
+#: doorbell entries kept (keys.lane_bell); a worker only needs the newest id
+BELL_MAXLEN = 1000
 
 #: errors after which a read is retried (Redis restarting, a failover, a dropped connection)
 TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError)
@@ -150,13 +208,15 @@ def submit_script_call(job: JobRequest) -> Call:
     )
 
 
-def cancel_script_call(job_id: str) -> Call:
+def cancel_script_call(job_id: str, cluster: bool = False) -> Call:
     result = JobResult(job_id=job_id, status=JobStatus.CANCELLED, error="cancelled before it started")
+    # on a cluster the cancel stream lives in another slot: ProducerCore.cancel XADDs it after the script
+    job_keys = [keys.job_hash(job_id), keys.out_stream(job_id)]
     return Call(
         "cancel",
         script=True,
         kwargs={
-            "keys": [keys.job_hash(job_id), keys.out_stream(job_id), keys.cancel_stream()],
+            "keys": job_keys if cluster else [*job_keys, keys.cancel_stream()],
             "args": [job_id, result.model_dump_json(), repr(time.time())],
         },
     )
@@ -173,9 +233,22 @@ class ProducerCore:
     #: a model seen live is trusted this long before the registry is read again
     MODEL_CACHE_S = 1.0
 
-    def __init__(self, reconnect_timeout_s: float = 60.0) -> None:
+    def __init__(self, reconnect_timeout_s: float = 60.0, cluster: bool = False) -> None:
         self.reconnect_timeout_s = reconnect_timeout_s
+        self.cluster = cluster  # Redis Cluster: lanes are sharded and a submit is three one-slot steps
         self._live_until: dict[str, float] = {}
+        self._layout: LaneLayout | None = None
+
+    def layout(self) -> Steps:
+        """The lane layout of this Redis (read once; one shard per lane on a single node)."""
+        if self._layout is None:
+            if not self.cluster:
+                self._layout = SINGLE
+            else:
+                key, field_, want = layout_args()
+                yield Call("hsetnx", (key, field_, want))
+                self._layout = LaneLayout(int((yield Call("hget", (key, field_)))))
+        return self._layout
 
     # -- submit ------------------------------------------------------------------------------
 
@@ -196,6 +269,12 @@ class ProducerCore:
 
     def submit(self, job: JobRequest, queue_unserved: bool, pipeline: Any = None) -> Steps:
         yield from self.check_models([job], queue_unserved)
+        if self.cluster:
+            if pipeline is not None:
+                raise ValueError("on Redis Cluster a submit cannot join a caller's pipeline: it takes three steps in two "
+                                 "hash slots (see RELIABILITY.md); submit first, then run the pipeline")
+            yield from self._submit_sharded([job])
+            return job.job_id
         call = submit_script_call(job)
         if pipeline is not None:
             call.kwargs["client"] = pipeline
@@ -204,6 +283,9 @@ class ProducerCore:
 
     def submit_many(self, jobs: list[JobRequest], queue_unserved: bool) -> Steps:
         yield from self.check_models(jobs, queue_unserved)
+        if self.cluster:
+            yield from self._submit_sharded(jobs)
+            return [j.job_id for j in jobs]
         pipe = yield Call("pipeline", kwargs={"transaction": False})
         for job in jobs:
             call = submit_script_call(job)
@@ -211,6 +293,46 @@ class ProducerCore:
             yield call
         yield Call("execute", on=pipe)
         return [j.job_id for j in jobs]
+
+    def _submit_sharded(self, jobs: list[JobRequest]) -> Steps:
+        """Reserve, XADD, settle (the comment above RESERVE_LUA): three pipelined round trips for any number of jobs."""
+        layout = yield from self.layout()
+        pipe = yield Call("pipeline", kwargs={"transaction": False})
+        for job in jobs:
+            yield Call("reserve", script=True, kwargs={"client": pipe, "keys": [keys.job_hash(job.job_id)], "args": [
+                job.lane.value, repr(job.created_at), job.result_ttl_s, queued_key_ttl_s(job)]})
+        reserved = yield Call("execute", on=pipe)
+        todo = [job for job, (fresh, _) in zip(jobs, reserved) if int(fresh) == 1]
+        if not todo:
+            return
+        placed = []
+        pipe = yield Call("pipeline", kwargs={"transaction": False})
+        for job in todo:
+            lane_key = keys.lane_key(job.lane.value, layout.shard_of(job.job_id))
+            stream = layout.stream(lane_key, job.model)
+            placed.append((job, lane_key, stream))
+            yield Call("xadd", (stream, {JOB_FIELD: job_fields(job)[JOB_FIELD]}), on=pipe)
+        entry_ids = yield Call("execute", on=pipe)
+        pipe = yield Call("pipeline", kwargs={"transaction": False})
+        for (job, lane_key, _), entry_id in zip(placed, entry_ids):
+            yield Call("claim", script=True, kwargs={"client": pipe, "keys": [keys.job_hash(job.job_id)],
+                                                     "args": [_s(entry_id), lane_key]})
+        # ring the idle workers' doorbell once the entries are in (after their XADD round trip),
+        # naming the shards, so a woken worker reads those instead of every shard
+        for model in sorted({job.model or "" for job, _, _ in placed}):
+            shards = sorted({lane_key for job, lane_key, _ in placed if (job.model or "") == model})
+            yield Call("xadd", (keys.lane_bell(), {"model": model, "lanes": ",".join(shards)}),
+                       {"maxlen": BELL_MAXLEN, "approximate": True}, on=pipe)
+        n_rings = len({job.model or "" for job, _, _ in placed})
+        settled = (yield Call("execute", on=pipe))[:-n_rings]
+        # a lost claim names the winner; none named (the hash expired meanwhile): keep the entry, a worker runs it
+        losers = [(stream, _s(eid)) for (_, _, stream), eid, (won, winner, _) in zip(placed, entry_ids, settled)
+                  if not int(won) and winner]
+        if losers:  # another entry of the job (an earlier attempt's) is the one that runs
+            pipe = yield Call("pipeline", kwargs={"transaction": False})
+            for stream, eid in losers:
+                yield Call("xdel", (stream, eid), on=pipe)
+            yield Call("execute", on=pipe)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -239,8 +361,14 @@ class ProducerCore:
         return JobStatus(_s(st)) if st is not None else None
 
     def cancel(self, job_id: str) -> Steps:
-        st = yield cancel_script_call(job_id)
-        return JobStatus(_s(st)) if st else None
+        st = yield cancel_script_call(job_id, self.cluster)
+        status = JobStatus(_s(st)) if st else None
+        if self.cluster and status is not None and not status.is_final:
+            # after the job hash says cancel_requested: a worker told first could admit the job before
+            # the flag is there. A crash between the two leaves the flag, which intake checks; a
+            # retried cancel sends the notice again.
+            yield Call("xadd", (keys.cancel_stream(), {"job_id": job_id}), {"maxlen": 10000, "approximate": True})
+        return status
 
     def live_models(self) -> Steps:
         return sorted(_s(m) for m in (yield live_models_call()))

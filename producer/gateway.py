@@ -44,6 +44,7 @@ from pagestream.producer.gateway_openai import (
     to_job,
     usage_chunk,
 )
+from pagestream.producer.redis_conn import connect_async, url_is_cluster
 from pagestream.producer.schema import JobResult, JobStatus, format_validation_error
 from pagestream.producer.untrusted import UntrustedJSONError, loads_untrusted
 
@@ -173,8 +174,8 @@ class Gateway:
         if time.monotonic() - at < 0.25:
             return depth
         depth = 0
-        for lane in keys.LANES:
-            stream = keys.jobs_stream(lane, model)
+        layout = await self.producer.layout()  # every shard of each lane on a cluster
+        for stream in (s for lane in keys.LANES for s in layout.streams(lane, model)):
             try:
                 groups = await self.producer.redis.xinfo_groups(stream)
             except Exception:  # no stream yet
@@ -289,7 +290,10 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if producer is None:
+        if producer is None and url_is_cluster(settings.redis_url):
+            # Redis Cluster: one pool per node, each at most redis_max_connections
+            client = connect_async(settings.redis_url, max_connections=settings.redis_max_connections)
+        elif producer is None:
             pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=settings.redis_max_connections, timeout=30)
             client = aioredis.Redis(connection_pool=pool)
         gw = app.state.gateway = Gateway(settings, producer or AsyncProducer(client))

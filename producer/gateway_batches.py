@@ -20,6 +20,7 @@ from starlette.datastructures import UploadFile
 
 from pagestream.producer.batches import FileStore, cancel_batch, create_batch, get_batch, list_batches
 from pagestream.producer.gateway_openai import GatewayError
+from pagestream.producer.redis_conn import connect
 from pagestream.producer.schema import format_validation_error
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class BatchRoutes:
     @property
     def conn(self) -> redis.Redis:
         if self._conn is None:
-            self._conn = redis.Redis.from_url(self.gw.settings.redis_url)
+            self._conn = connect(self.gw.settings.redis_url)
         return self._conn
 
     @property

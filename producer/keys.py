@@ -2,11 +2,16 @@
 
 Keys that belong to one job share the hash tag ``{job_id}`` so all of a job's
 keys land in one slot on Redis Cluster. Lane streams and the dead-letter stream
-are shared by many jobs and carry no job tag. All keys of one bulk share the
+are shared by many jobs and carry no job tag. On a cluster each lane is split into
+``lane_shards`` streams (``lane_stream_shards``), each under its own hash tag, so the
+queue's load spreads over the masters; shard 0 is the unsharded name, so a single node
+(one shard) keeps the names it always had. All keys of one bulk share the
 hash tag ``{bulk_id}`` so a bulk's bookkeeping lands in one slot and the bulk
 sink's Lua script may touch them together.
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 PREFIX = "ps"
 
@@ -22,6 +27,55 @@ def jobs_stream(lane: str, model: str | None = None) -> str:
     if model is None:
         return f"{PREFIX}:jobs:{lane}"
     return f"{PREFIX}:jobs:m:{model}:{lane}"
+
+
+#: separates a lane from its shard in a "lane key" (``normal/3``): what a worker's entries name as their lane
+SHARD_SEP = "/"
+
+
+@lru_cache(maxsize=4096)
+def shard_tag(shard: int, num_shards: int) -> str:
+    """The hash tag of lane shard ``shard`` of ``num_shards``: the first ``s<shard>.<k>`` whose
+    slot lies in the shard's share of the 16384 slots, so shards spread evenly over masters that
+    own equal slot ranges (what ``redis-cli --cluster create`` sets up)."""
+    from redis.crc import key_slot
+
+    lo, hi = shard * 16384 // num_shards, (shard + 1) * 16384 // num_shards
+    k = 0
+    while True:
+        tag = f"s{shard}.{k}"
+        if lo <= key_slot(tag.encode()) < hi:
+            return tag
+        k += 1
+
+
+def lane_key(lane: str, shard: int = 0) -> str:
+    """What a worker calls one stream it reads: the lane name for shard 0, ``lane/shard`` otherwise."""
+    return lane if shard == 0 else f"{lane}{SHARD_SEP}{shard}"
+
+
+def split_lane_key(lane_key_: str) -> tuple[str, int]:
+    """(lane, shard) of a ``lane_key``."""
+    lane, _, shard = lane_key_.partition(SHARD_SEP)
+    return lane, int(shard or 0)
+
+
+def lane_stream_shards(lane: str, model: str | None = None, num_shards: int = 1) -> list[str]:
+    """Every stream of one lane, shard 0 first. Shard 0 is ``jobs_stream(lane, model)``; shard
+    ``i > 0`` appends ``{tag}`` (``shard_tag``), the same tag for every lane and model."""
+    base = jobs_stream(lane, model)
+    return [base] + [f"{base}:{{{shard_tag(i, num_shards)}}}" for i in range(1, num_shards)]
+
+
+def lane_bell() -> str:
+    """Stream a producer on a cluster XADDs to after queueing jobs: idle workers block on it (one key)
+    instead of on one shard of many, then read every shard (``worker.consumer``)."""
+    return f"{PREFIX}:jobs:bell"
+
+
+def lane_layout() -> str:
+    """Hash: ``lane_shards`` -> how many streams each lane has (set once per Redis, read by every process)."""
+    return f"{PREFIX}:layout"
 
 
 def model_registry() -> str:

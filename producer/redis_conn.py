@@ -38,6 +38,12 @@ def outage_retry(outage_s: float | None = None) -> Retry:
 def same_server(conn: redis.Redis, *, decode_responses: bool, retry: Retry | None = None) -> redis.Redis:
     """A new client on ``conn``'s server and db, decoding or not (RQ wants bytes, our helpers str),
     with ``retry`` instead of ``conn``'s own policy when given."""
+    if is_cluster(conn):
+        from redis.cluster import RedisCluster
+
+        node = conn.get_default_node()
+        kwargs = {"decode_responses": decode_responses, **({"retry": retry} if retry is not None else {})}
+        return RedisCluster(host=node.host, port=node.port, **kwargs)
     pool = conn.connection_pool
     kwargs = dict(pool.connection_kwargs)
     kwargs["decode_responses"] = decode_responses
@@ -48,5 +54,72 @@ def same_server(conn: redis.Redis, *, decode_responses: bool, retry: Retry | Non
 
 def outage_proof(url: str, *, decode_responses: bool, outage_s: float | None = None) -> redis.Redis:
     """A client for ``url`` that rides out a Redis outage of ``outage_s`` seconds (see the module doc)."""
-    return redis.Redis.from_url(url, decode_responses=decode_responses, retry=outage_retry(outage_s),
-                                socket_connect_timeout=5)
+    return connect(url, decode_responses=decode_responses, retry=outage_retry(outage_s), socket_connect_timeout=5)
+
+
+# ---- Redis Cluster: the same URL, any node -------------------------------------------------------
+def is_cluster(client: object) -> bool:
+    """Whether ``client`` is a Redis Cluster client (sync or asyncio)."""
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.cluster import RedisCluster
+
+    return isinstance(client, (RedisCluster, AsyncRedisCluster))
+
+
+def url_is_cluster(url: str, timeout_s: float = 5.0) -> bool:
+    """Does the server at ``url`` run in cluster mode (``INFO cluster`` says ``cluster_enabled:1``)?
+
+    A server that cannot be reached counts as a single node: clients are lazy, so the
+    error surfaces at the first command, as it did before cluster support (a CLI says
+    "cannot reach Redis" in one line, a worker backs off).
+    """
+    probe = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        return int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+    except (redis.ConnectionError, redis.TimeoutError):
+        return False
+    finally:
+        probe.close()
+
+
+def _cluster_kwargs(kwargs: dict) -> dict:
+    # RedisCluster has no db (always 0) and manages its own connection pools per node.
+    return {k: v for k, v in kwargs.items() if k not in ("db", "connection_pool", "health_check_interval")}
+
+
+def connect(url: str, **kwargs) -> redis.Redis:
+    """A client for ``url``: ``RedisCluster`` when that server is a cluster node, else ``Redis``.
+
+    Every process (producer, worker, CLI, bulk) opens Redis through here, so one
+    ``--redis-url`` naming any node of a cluster works everywhere.
+    """
+    if url_is_cluster(url):
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(url, **_cluster_kwargs(kwargs))
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def connect_async(url: str, **kwargs):
+    """``connect`` for redis.asyncio (the probe is one blocking round trip, at construction)."""
+    import redis.asyncio as aioredis
+
+    if url_is_cluster(url):
+        from redis.asyncio.cluster import RedisCluster
+
+        return RedisCluster.from_url(url, **_cluster_kwargs(kwargs))
+    return aioredis.Redis.from_url(url, **kwargs)
+
+
+def queue_script(pipe, command: str, script: str, keys: list, args: list):
+    """Queue ``EVAL script`` / ``EVALSHA sha`` on a pipeline, a cluster one routed by its first key.
+
+    redis-py's cluster pipeline asks the server for the keys of every EVAL it queues (COMMAND
+    GETKEYS: one extra round trip per script, which halved the worker's throughput); a script's
+    keys share one slot, so its node is the first key's. A MOVED reply (resharding) is retried
+    by redis-py as for any command.
+    """
+    from redis.cluster import ClusterPipeline
+
+    kwargs = {"target_nodes": pipe.get_node_from_key(keys[0])} if isinstance(pipe, ClusterPipeline) and keys else {}
+    return pipe.execute_command(command, script, len(keys), *keys, *args, **kwargs)

@@ -19,6 +19,8 @@ REDIS_URL_ENV = ("PAGESTREAM_REDIS_URL", "REDIS_URL")
 S3_ENDPOINT_ENV = ("PAGESTREAM_S3_ENDPOINT_URL", "S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 S3_REGION_ENV = ("PAGESTREAM_S3_REGION", "AWS_REGION", "AWS_DEFAULT_REGION")
 S3_ADDRESSING_ENV = ("PAGESTREAM_S3_ADDRESSING_STYLE",)
+#: RQ (the bulk queue) needs a single-node Redis; on Redis Cluster it lives on this one
+RQ_REDIS_URL_ENV = ("PAGESTREAM_RQ_REDIS_URL",)
 
 
 class ClientSettings(BaseSettings):
@@ -27,6 +29,14 @@ class ClientSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", populate_by_name=True)
 
     redis_url: str = Field(DEFAULT_REDIS_URL, validation_alias=AliasChoices(*REDIS_URL_ENV))
+    # RQ does not run on Redis Cluster (its keys span slots in one transaction): with a cluster,
+    # the bulk queue lives on this single-node Redis. None: RQ shares the Redis of redis_url.
+    rq_redis_url: str | None = Field(None, validation_alias=AliasChoices(*RQ_REDIS_URL_ENV))
+
+
+def rq_redis_url(explicit: str | None = None) -> str | None:
+    """``explicit`` (a ``--rq-redis-url``), else ``PAGESTREAM_RQ_REDIS_URL``, else None (RQ shares the main Redis)."""
+    return explicit or ClientSettings().rq_redis_url
 
 
 def redis_url(explicit: str | None = None) -> str:

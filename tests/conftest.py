@@ -2,6 +2,11 @@
 
 Each developer running tests at the same time as another picks a Redis db with
 PAGESTREAM_TEST_REDIS_DB so the per-test FLUSHDB of one never hits the other.
+
+A test marked ``also_on_cluster`` runs twice: on that single node (``[single]``) and on a
+real 3-master Redis Cluster started once per session from ``redis-server`` on free
+loopback ports (``[cluster]``, ``tests/redis_cluster.py``). The test body is the same; only
+``redis_url`` (and the ``r``/``producer`` clients made from it) differ.
 """
 from __future__ import annotations
 
@@ -39,11 +44,40 @@ REDIS_PORT = int(os.environ.get("PAGESTREAM_TEST_REDIS_PORT", "6379"))
 REDIS_DB = int(os.environ.get("PAGESTREAM_TEST_REDIS_DB", "9"))
 
 
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("also_on_cluster") and "redis_url" in metafunc.fixturenames:
+        metafunc.parametrize("redis_backend", ["single", "cluster"], indirect=True)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A 3-master Redis Cluster (plus a single node for RQ), for the session."""
+    from tests.redis_cluster import RedisClusterProcs
+
+    cluster = RedisClusterProcs(num_masters=3)
+    yield cluster
+    cluster.stop()
+
+
 @pytest.fixture
-def redis_url():
-    """URL of a real Redis db, flushed before and after the test."""
+def redis_backend(request):
+    """``single`` (the shared Redis db) unless the test is parametrized onto ``cluster``."""
+    return getattr(request, "param", "single")
+
+
+@pytest.fixture
+def redis_url(redis_backend, request, monkeypatch):
+    """URL of a real Redis db (or of a cluster node), flushed before and after the test."""
     import redis
 
+    if redis_backend == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        # RQ cannot use a cluster: bulk submits and bulk-workers (subprocesses inherit it) use this node
+        monkeypatch.setenv("PAGESTREAM_RQ_REDIS_URL", cluster.rq_url)
+        yield cluster.url
+        cluster.flush()
+        return
     url = f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}"
     r = redis.Redis.from_url(url)
     r.flushdb()
@@ -54,10 +88,10 @@ def redis_url():
 
 @pytest.fixture
 def r(redis_url):
-    """A redis-py client on the test db."""
-    import redis
+    """A redis-py client on the test db (a ``RedisCluster`` on the cluster)."""
+    from pagestream.producer.redis_conn import connect
 
-    c = redis.Redis.from_url(redis_url)
+    c = connect(redis_url)
     yield c
     c.close()
 

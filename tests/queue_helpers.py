@@ -13,6 +13,7 @@ from pathlib import Path
 import redis
 
 from pagestream.producer import keys
+from pagestream.producer.lanes import resolve_layout
 from pagestream.producer.wire import decode_out_entry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,11 +109,44 @@ def assert_contiguous(r: redis.Redis, job_id: str) -> str:
     return text.get(0, "")
 
 
+def lane_streams(r: redis.Redis, lane: str) -> list[str]:
+    """The streams of a lane: one on a single node, every shard on a cluster (``producer.lanes``)."""
+    return resolve_layout(r).streams(lane)
+
+
+def stream_of_job(r: redis.Redis, job_id: str, lane: str = "normal") -> str:
+    """The lane stream a submitted job was queued on: the lane's one stream, or its shard on a cluster."""
+    layout = resolve_layout(r)
+    return layout.stream(keys.lane_key(lane, layout.shard_of(job_id)))
+
+
 def pending_of(r: redis.Redis, lane: str = "normal", group: str = keys.DEFAULT_GROUP) -> dict[str, int]:
-    try:
-        return {c["name"].decode(): int(c["pending"]) for c in r.xinfo_consumers(keys.jobs_stream(lane), group)}
-    except redis.ResponseError:
-        return {}
+    """Entries each consumer holds on a lane (summed over its shards on a cluster)."""
+    out: dict[str, int] = {}
+    for stream in lane_streams(r, lane):
+        try:
+            for c in r.xinfo_consumers(stream, group):
+                name = c["name"].decode()
+                out[name] = out.get(name, 0) + int(c["pending"])
+        except redis.ResponseError:
+            continue
+    return out
+
+
+def lane_group(r: redis.Redis, lane: str = "normal", group: str = keys.DEFAULT_GROUP) -> dict[str, int | None]:
+    """The group's ``entries-read``, ``pending`` and ``lag`` on a lane, summed over its shards
+    (``lag`` None when Redis cannot tell it for some shard)."""
+    total: dict[str, int | None] = {"entries-read": 0, "pending": 0, "lag": 0}
+    for stream in lane_streams(r, lane):
+        try:
+            groups = [g for g in r.xinfo_groups(stream) if g["name"].decode() == group]
+        except redis.ResponseError:
+            continue
+        for g in groups:
+            total["entries-read"] += int(g["entries-read"] or 0)
+            total["pending"] += int(g["pending"])
+            total["lag"] = None if total["lag"] is None or g["lag"] is None else total["lag"] + int(g["lag"])
+    return total
 
 
 def start_redis_server(workdir: Path, port: int | None = None, *args: str) -> tuple[subprocess.Popen, str]:

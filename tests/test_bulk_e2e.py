@@ -19,14 +19,14 @@ from pathlib import Path
 
 import boto3
 import pytest
-import redis
-
 from pagestream.producer import keys
 from pagestream.producer.bulk import get_bulk, submit_bulk
+from pagestream.producer.redis_conn import connect
+from tests.queue_helpers import lane_group
 from test_bulk import read_jsonl
 from test_bulk_support import AWS_ENV
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.also_on_cluster]
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGESTREAM = str(Path(sys.executable).with_name("pagestream"))
@@ -126,7 +126,7 @@ def test_acceptance_1000_lines_two_cpu_workers_tiny_model(redis_url, moto_url, t
     inp = tmp_path / "in.jsonl"
     valid, bad_lines = write_acceptance_input(inp)
     s3.upload_file(str(inp), "acc1", "in/requests.jsonl")
-    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    r = connect(redis_url, decode_responses=True)
     procs = [spawn_worker(redis_url, tiny_llama_dir, f"acc-w{i}", env, ("--max-num-seqs", "32")) for i in range(2)]
     procs.append(spawn_bulk_worker(redis_url, env))
     try:
@@ -176,7 +176,7 @@ def test_acceptance_kill9_worker_and_orchestrator_real_workers(redis_url, moto_u
     inp = tmp_path / "in.jsonl"
     valid, bad_lines = write_acceptance_input(inp, n=4000, n_bad=40)
     s3.upload_file(str(inp), "acc2", "in.jsonl")  # the resumed orchestrator reads on with a ranged GET
-    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    r = connect(redis_url, decode_responses=True)
     # fake:20 = the fake engine with a 20 ms step, so the run is long enough to kill mid-way
     procs = {f"w{i}": spawn_worker(redis_url, "fake:20", f"acc2-w{i}", env) for i in range(2)}
     procs["orch"] = spawn_bulk_worker(redis_url, env)
@@ -197,7 +197,7 @@ def test_acceptance_kill9_worker_and_orchestrator_real_workers(redis_url, moto_u
         for name in ("w0", "orch"):
             procs[name].send_signal(signal.SIGKILL)
             procs[name].wait()
-        assert r.xpending(keys.jobs_stream("low"), keys.DEFAULT_GROUP)["pending"] > 0
+        assert lane_group(connect(redis_url), "low")["pending"] > 0
         procs["w2"] = spawn_worker(redis_url, "fake:20", "acc2-w2", env)
         procs["orch2"] = spawn_bulk_worker(redis_url, env)
         st = wait_final(r, bulk_id, 300)

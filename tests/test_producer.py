@@ -58,6 +58,7 @@ def test_submit_is_idempotent_by_job_id(producer, r):
     assert producer.status("job-1") == JobStatus.QUEUED
 
 
+@pytest.mark.also_on_cluster
 def test_cancel_queued_job_gives_cancelled_result(producer):
     jid = producer.submit(prompt="x")
     assert producer.cancel(jid) == JobStatus.QUEUED
@@ -68,6 +69,7 @@ def test_cancel_queued_job_gives_cancelled_result(producer):
     assert producer.cancel("nope") is None
 
 
+@pytest.mark.also_on_cluster
 def test_result_timeout_and_unknown_job(producer):
     jid = producer.submit(prompt="x")
     with pytest.raises(TimeoutError):
@@ -76,6 +78,7 @@ def test_result_timeout_and_unknown_job(producer):
         producer.result("never-submitted", timeout=0.2)
 
 
+@pytest.mark.also_on_cluster
 def test_stream_drops_repeated_indices_and_resumes_from_index(producer, r):
     # What a subscriber sees when a presumed-dead worker and its successor both published.
     jid = producer.submit(prompt="x")
@@ -97,6 +100,7 @@ def test_stream_drops_repeated_indices_and_resumes_from_index(producer, r):
     assert [e.index for e in later] == [3, 4]
 
 
+@pytest.mark.also_on_cluster
 def test_async_producer(redis_url):
     async def main():
         p = AsyncProducer.from_url(redis_url)
@@ -149,6 +153,7 @@ def test_bulk_keys_live_in_producer_keys_with_one_hash_tag_per_bulk(redis_url):
     assert c.zscore(keys.bulk_index(), bid) is not None
 
 
+@pytest.mark.also_on_cluster
 def test_a_queued_job_hash_expires_if_no_worker_ever_starts_it(producer, r):
     """Issue 8 item 7: a job nobody runs must not leave its keys forever."""
     from pagestream.producer.client_core import QUEUED_JOB_KEY_TTL_S

@@ -16,9 +16,9 @@ import pytest
 
 from pagestream.producer import JobStatus, Producer
 from pagestream.producer import keys
-from tests.queue_helpers import ROOT, WorkerProc, assert_contiguous, engine_core_pid, pending_of, pid_alive, raw_events, wait_for
+from tests.queue_helpers import ROOT, WorkerProc, assert_contiguous, engine_core_pid, lane_group, pending_of, pid_alive, raw_events, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.also_on_cluster]
 
 
 @pytest.fixture
@@ -104,7 +104,7 @@ def test_end_to_end_two_producers_two_workers(r, redis_url, producer, workers, t
     assert {res.worker for res in results.values()} == {"e2e-w1", "e2e-w2"}
     bad = producer.result(too_long, timeout=30)
     assert bad.status == JobStatus.FAILED and "max_model_len" in bad.error
-    g = r.xinfo_groups(keys.jobs_stream("normal"))[0]
+    g = lane_group(r, "normal")
     assert g["entries-read"] == 51 and g["pending"] == 0
 
 
@@ -254,7 +254,7 @@ def test_backpressure_1000_jobs_pel_bounded_and_late_worker_gets_fair_share(r, r
         wb = workers(redis_url, "fake:8", "bp-b", *args)
         wb.wait_ready(30)
         b_ready = time.time()
-        wait_for(lambda: r.xinfo_groups(keys.jobs_stream("normal"))[0]["lag"] == 0 and sum(pending_of(r).values()) == 0, 120, "all 1000 jobs done", 0.1)
+        wait_for(lambda: lane_group(r, "normal")["lag"] == 0 and sum(pending_of(r).values()) == 0, 120, "all 1000 jobs done", 0.1)
     finally:
         stop.set()
         sampler.join()

@@ -16,7 +16,7 @@ import redis
 from pagestream.engine.errors import EngineDeadError
 from pagestream.producer import JobStatus
 from pagestream.producer import keys
-from tests.queue_helpers import assert_contiguous, wait_for
+from tests.queue_helpers import assert_contiguous, stream_of_job, wait_for
 from pagestream.worker.fake_engine import FakeConfig, FakeEngine
 from pagestream.worker.settings import WorkerSettings
 from pagestream.worker.worker import Worker
@@ -30,6 +30,7 @@ def make_worker(r, redis_url, engine=None, **kw) -> Worker:
     return Worker(r, engine, settings)
 
 
+@pytest.mark.also_on_cluster
 def test_burst_completes_jobs_streams_equal_results_high_lane_first(r, redis_url, producer):
     w = make_worker(r, redis_url, max_num_seqs=4, prefetch=0)
     low = [producer.submit(prompt=f"low {i}", max_tokens=5, seed=i, lane="low") for i in range(6)]
@@ -71,6 +72,7 @@ def _malformed_entries(rng: random.Random, n: int) -> list[dict]:
     return [makers[i % len(makers)](i) for i in range(n)]
 
 
+@pytest.mark.also_on_cluster
 def test_fuzz_malformed_entries_end_in_dlq_and_worker_keeps_serving(r, redis_url, producer):
     rng = random.Random(0)
     bad = _malformed_entries(rng, 520)
@@ -97,9 +99,10 @@ def test_fuzz_malformed_entries_end_in_dlq_and_worker_keeps_serving(r, redis_url
     assert res.status == JobStatus.FAILED and "lane" in res.error
 
 
+@pytest.mark.also_on_cluster
 def test_poison_job_is_dead_lettered_after_max_deliveries(r, redis_url, producer):
     jid = producer.submit(prompt="poison", max_tokens=2)
-    stream = keys.jobs_stream("normal")
+    stream = stream_of_job(r, jid)
     r.xgroup_create(stream, "workers", id="0")
     # three earlier deliveries to consumers that died holding it (XCLAIM bumps the counter)
     (entry_id, _), = r.xreadgroup("workers", "dead-1", {stream: ">"})[0][1]
@@ -202,6 +205,7 @@ def test_token_texts_keep_the_top_k_and_write_only_finite_logprobs():
     assert TokenTexts().encode([7], [{7: -0.1}], k=0) == [[7, "token_id:7", -0.1, []]]  # a model without a tokenizer
 
 
+@pytest.mark.also_on_cluster
 def test_cancel_running_job_stops_within_one_step_and_frees_blocks(r, redis_url, producer, tiny_llama_dir):
     from pagestream.engine import EngineConfig, LLMEngine
 
@@ -405,11 +409,12 @@ def test_a_dead_engine_stops_the_worker_and_another_completes_its_jobs(r, redis_
         assert producer.result(j, timeout=5).status == JobStatus.COMPLETED
 
 
+@pytest.mark.also_on_cluster
 def test_restart_under_the_same_name_recovers_its_own_pel_at_once(r, redis_url, producer):
     ids = [producer.submit(prompt=f"own {i}", max_tokens=3, seed=i) for i in range(3)]
-    stream = keys.jobs_stream("normal")
-    r.xgroup_create(stream, "workers", id="0")
-    r.xreadgroup("workers", "w1", {stream: ">"}, count=3)  # a previous w1 read them and died
+    for stream in {stream_of_job(r, j) for j in ids}:
+        r.xgroup_create(stream, "workers", id="0")
+        r.xreadgroup("workers", "w1", {stream: ">"}, count=3)  # a previous w1 read them and died
     w = make_worker(r, redis_url, consumer="w1", lease_ms=600_000)  # a lease that would never expire here
     w.run(burst=True)
     for j in ids:
@@ -417,13 +422,14 @@ def test_restart_under_the_same_name_recovers_its_own_pel_at_once(r, redis_url, 
         assert res.status == JobStatus.COMPLETED and res.deliveries == 2
 
 
+@pytest.mark.also_on_cluster
 def test_worker_drops_a_job_whose_lease_another_consumer_took(r, redis_url, producer):
     w = make_worker(r, redis_url, engine=FakeEngine(FakeConfig(max_num_seqs=2)), max_num_seqs=2, lease_ms=3000)
     jid = producer.submit(prompt="contested", max_tokens=50, seed=1)
     try:
         w.run(max_steps=2)
         assert w.engine.stats().num_running == 1
-        stream = keys.jobs_stream("normal")
+        stream = stream_of_job(r, jid)
         (entry,) = r.xpending_range(stream, "workers", "-", "+", 10)
         r.xclaim(stream, "workers", "thief", 0, [entry["message_id"]])  # a live thief: idle < lease below
         wait_for(lambda: w._lost, 5, "the lease refresh to notice")

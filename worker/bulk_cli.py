@@ -24,8 +24,8 @@ from pagestream.producer.bulk import BULK_QUEUE, BulkStatus, cancel_bulk, dumps_
 from pagestream.producer.redaction import install_log_redaction
 from pagestream.producer.bulk_storage import is_s3, local_path
 from pagestream.producer.schema import Lane
-from pagestream.producer.settings import S3_ADDRESSING_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV
-from pagestream.producer.redis_conn import outage_proof
+from pagestream.producer.settings import RQ_REDIS_URL_ENV, S3_ADDRESSING_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV
+from pagestream.producer.redis_conn import connect, is_cluster, outage_proof
 from pagestream.worker.cli_common import fail, redis_url_option, resolve_url
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 bulk_app = typer.Typer(help="Bulk dataset generation: OpenAI-batch JSONL in, sharded JSONL out.", no_args_is_help=True)
 
 _REDIS_URL = redis_url_option()
+_RQ_REDIS_URL = typer.Option(None, "--rq-redis-url", envvar=list(RQ_REDIS_URL_ENV), show_envvar=True,
+                             show_default="--redis-url", help="single-node Redis for the bulk queue (RQ); "
+                             "needed when --redis-url is a Redis Cluster, which RQ cannot use")
 _S3_ENDPOINT = typer.Option(None, "--s3-endpoint-url", envvar=list(S3_ENDPOINT_ENV), show_envvar=True,
                             show_default="AWS", help="S3-compatible endpoint (MinIO, moto)")
 
@@ -44,7 +47,7 @@ class AddressingStyleChoice(str, Enum):
 
 
 def _conn(url: str | None) -> redis.Redis:
-    return redis.Redis.from_url(resolve_url(url), decode_responses=True)
+    return connect(resolve_url(url), decode_responses=True)
 
 
 @bulk_app.command("submit")
@@ -52,11 +55,13 @@ def submit(
     input: str = typer.Argument(..., help="input JSONL: local path, file:// or s3://bucket/key"),
     out: str = typer.Option(..., "--out", help="output: local dir, file:// or s3://bucket/prefix"),
     redis_url: Optional[str] = _REDIS_URL,
+    rq_redis_url: Optional[str] = _RQ_REDIS_URL,
     shard_lines: int = typer.Option(10_000, "--shard-lines", min=1, help="lines per output shard"),
-    model: str = typer.Option(None, "--model", help="model name recorded in bodies when a line has none"),
+    model: str = typer.Option(None, "--model", show_default="none", help="model name recorded in bodies when a line has none"),
     lane: Lane = typer.Option(Lane.LOW, "--lane", help="lane the jobs go to"),
     max_outstanding: int = typer.Option(2_048, "--max-outstanding", min=1, help="queued-but-unfinished job bound"),
-    completion_window_s: float = typer.Option(None, "--completion-window-s", help="expire after this many seconds"),
+    completion_window_s: float = typer.Option(None, "--completion-window-s", show_default="never",
+                                              help="expire after this many seconds (what is done is finalized)"),
     s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
     s3_region: Optional[str] = typer.Option(None, "--s3-region", envvar=list(S3_REGION_ENV), show_envvar=True,
                                             show_default="boto3's", help="S3 region"),
@@ -68,13 +73,15 @@ def submit(
     """Submit a bulk; prints its id."""
     if not is_s3(input) and not local_path(input).is_file():
         fail(f"input file {local_path(input).resolve()} does not exist")
+    if rq_redis_url:
+        os.environ["PAGESTREAM_RQ_REDIS_URL"] = rq_redis_url  # where producer.bulk_rq enqueues
     conn = _conn(redis_url)
     try:
         bulk_id = submit_bulk(input, out, connection=conn, model=model, lane=lane.value, shard_lines=shard_lines,
                               max_outstanding=max_outstanding, completion_window_s=completion_window_s,
                               s3_endpoint_url=s3_endpoint_url, s3_region=s3_region,
                               s3_addressing_style=s3_addressing_style.value if s3_addressing_style else None)
-    except ValueError as exc:
+    except ValueError as exc:  # RQNeedsSingleNode too
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(bulk_id)
     if wait:
@@ -109,7 +116,7 @@ def _wait(conn: redis.Redis, bulk_id: str, poll_s: float = 0.5) -> int:
 
 @bulk_app.command("status")
 def status(
-    bulk_id: str = typer.Argument(...),
+    bulk_id: str = typer.Argument(..., help="the bulk (as `bulk submit` printed it)"),
     redis_url: Optional[str] = _REDIS_URL,
     as_json: bool = typer.Option(False, "--json", help="print the full status as JSON"),
 ) -> None:
@@ -159,7 +166,7 @@ def list_(
 
 
 @bulk_app.command("cancel")
-def cancel(bulk_id: str = typer.Argument(...), redis_url: Optional[str] = _REDIS_URL) -> None:
+def cancel(bulk_id: str = typer.Argument(..., help="the bulk to cancel"), redis_url: Optional[str] = _REDIS_URL) -> None:
     """Stop feeding a bulk; what is done is finalized and the bulk ends as cancelled."""
     try:
         typer.echo(cancel_bulk(_conn(redis_url), bulk_id))
@@ -169,8 +176,9 @@ def cancel(bulk_id: str = typer.Argument(...), redis_url: Optional[str] = _REDIS
 
 def bulk_worker(
     redis_url: Optional[str] = _REDIS_URL,
+    rq_redis_url: Optional[str] = _RQ_REDIS_URL,
     queue: str = typer.Option(BULK_QUEUE, "--queue", help="RQ queue of orchestration jobs"),
-    name: str = typer.Option(None, "--name", help="RQ worker name"),
+    name: str = typer.Option(None, "--name", show_default="RQ's", help="RQ worker name"),
     burst: bool = typer.Option(False, "--burst", help="exit when the queue is empty"),
     rescue_interval_s: float = typer.Option(5.0, "--rescue-interval-s", help="how often to look for stalled bulks"),
     s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
@@ -188,9 +196,16 @@ def bulk_worker(
     if s3_endpoint_url:
         os.environ["S3_ENDPOINT_URL"] = s3_endpoint_url
     redis_url = resolve_url(redis_url)
-    redis.Redis.from_url(redis_url, socket_connect_timeout=5).ping()  # fail fast: main() says why in one line
-    conn = outage_proof(redis_url, decode_responses=False)  # RQ wants bytes responses
+    connect(redis_url, socket_connect_timeout=5).ping()  # fail fast: main() says why in one line
     decoded = outage_proof(redis_url, decode_responses=True)
+    if rq_redis_url is None and is_cluster(decoded):
+        fail("the bulk queue (RQ) does not run on Redis Cluster: give --rq-redis-url (PAGESTREAM_RQ_REDIS_URL), "
+             "a single-node Redis for it")
+    if rq_redis_url is not None:
+        # the orchestrators this worker runs read both from the environment (an RQ job carries only a bulk id)
+        os.environ["PAGESTREAM_RQ_REDIS_URL"] = rq_redis_url
+        os.environ["PAGESTREAM_REDIS_URL"] = redis_url
+    conn = outage_proof(rq_redis_url or redis_url, decode_responses=False)  # RQ wants bytes responses
     rescue_stalled(decoded, queue)
     stop = threading.Event()
 

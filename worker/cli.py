@@ -40,6 +40,11 @@ def _root(
     """pagestream: queue-fed LLM batch inference."""
 
 
+def _wopt(flag: str, field: str, help: str, default: str):
+    """A worker option that overrides ``WorkerSettings.<field>``; ``--help`` shows its env name and default."""
+    return typer.Option(None, flag, envvar=f"PAGESTREAM_{field.upper()}", show_envvar=True, show_default=default, help=help)
+
+
 def build_engine(settings) -> object:
     """The engine a worker drives: ``--model fake[:step_ms]`` is the instant fake (tests, benchmarks).
 
@@ -82,42 +87,48 @@ def build_engine(settings) -> object:
 @app.command()
 def worker(
     redis_url: Optional[str] = RedisUrl,
-    model: Optional[str] = typer.Option(None, "--model", envvar="PAGESTREAM_MODEL", help="HF model directory (or 'fake')"),
-    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="announce this model and take only its jobs"),
-    device: Optional[str] = typer.Option(None, "--device", help="auto (default: CUDA when present) | cpu | cuda[:N]"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto (default) | float32 | float16 | bfloat16"),
-    gpu_memory_utilization: Optional[float] = typer.Option(
-        None, "--gpu-memory-utilization", help="share of the GPU's memory the engine may take (default 0.85)"),
-    max_num_batched_tokens: Optional[int] = typer.Option(
-        None, "--max-num-batched-tokens", help="token budget of one step (default: the engine's, 8192)"),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="tokens per KV block (default 16)"),
-    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="no CUDA graphs for decode steps"),
+    model: Optional[str] = _wopt("--model", "model", "HF model directory, or 'fake[:step_ms]' (the instant fake engine)", "none (required)"),
+    served_model_name: Optional[str] = _wopt("--served-model-name", "served_model_name",
+                                             "announce this model and take only its jobs", "none: the shared lanes"),
+    device: Optional[str] = _wopt("--device", "device", "auto (CUDA when present) | cpu | cuda[:N]", "auto"),
+    dtype: Optional[str] = _wopt("--dtype", "dtype", "auto | float32 | float16 | bfloat16", "auto"),
+    gpu_memory_utilization: Optional[float] = _wopt("--gpu-memory-utilization", "gpu_memory_utilization",
+                                                    "share of the GPU's memory the engine may take", "0.85"),
+    max_num_batched_tokens: Optional[int] = _wopt("--max-num-batched-tokens", "max_num_batched_tokens",
+                                                  "token budget of one engine step", "the engine's, 8192"),
+    block_size: Optional[int] = _wopt("--block-size", "block_size", "tokens per KV block", "16"),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", envvar="PAGESTREAM_ENFORCE_EAGER", show_envvar=True,
+                                       help="no CUDA graphs for decode steps"),
     engine_process: Optional[bool] = typer.Option(
-        None, "--engine-process/--no-engine-process",
-        help="run the engine core in its own process, so queue work never holds the GIL its step needs "
-             "[default: on with CUDA, off on the CPU]"),
-    max_num_seqs: Optional[int] = typer.Option(
-        None, "--max-num-seqs", help="sequences the engine runs at once [default: 256 on a GPU, 8 on the CPU]"),
-    tensor_parallel_size: Optional[int] = typer.Option(
-        None, "--tensor-parallel-size", help="GPUs one engine spans, one process each (default 1)"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
-    consumer: Optional[str] = typer.Option(None, "--consumer", help="consumer name (default host-pid)"),
-    lanes: Optional[str] = typer.Option(None, "--lanes", help="comma-separated subset of high,normal,low"),
-    lease_ms: Optional[int] = typer.Option(None, "--lease-ms"),
-    max_deliveries: Optional[int] = typer.Option(None, "--max-deliveries"),
-    drain_timeout: Optional[float] = typer.Option(None, "--drain-timeout", help="seconds a warm stop may take"),
-    prefetch: Optional[int] = typer.Option(None, "--prefetch"),
-    publish_interval_ms: Optional[float] = typer.Option(None, "--publish-interval-ms"),
+        None, "--engine-process/--no-engine-process", envvar="PAGESTREAM_ENGINE_PROCESS", show_envvar=True,
+        show_default="on with CUDA, off on the CPU",
+        help="run the engine core in its own process, so queue work never holds the GIL its step needs"),
+    max_num_seqs: Optional[int] = _wopt("--max-num-seqs", "max_num_seqs", "sequences the engine runs at once",
+                                        "256 on a GPU, 8 on the CPU"),
+    tensor_parallel_size: Optional[int] = _wopt("--tensor-parallel-size", "tensor_parallel_size",
+                                                "GPUs one engine spans, one process each", "1"),
+    max_model_len: Optional[int] = _wopt("--max-model-len", "max_model_len", "longest prompt + output, in tokens",
+                                         "the model's"),
+    consumer: Optional[str] = _wopt("--consumer", "consumer", "consumer name in the group (unique per worker)", "host-pid"),
+    lanes: Optional[str] = _wopt("--lanes", "lanes", "comma-separated subset of high,normal,low", "high,normal,low"),
+    lease_ms: Optional[int] = _wopt("--lease-ms", "lease_ms",
+                                    "an entry idle this long in a dead worker's PEL is reclaimed by another", "30000"),
+    max_deliveries: Optional[int] = _wopt("--max-deliveries", "max_deliveries",
+                                          "deliveries of one job before it is dead-lettered", "3"),
+    drain_timeout: Optional[float] = _wopt("--drain-timeout", "drain_timeout_s", "seconds a warm stop may take", "30"),
+    prefetch: Optional[int] = _wopt("--prefetch", "prefetch", "entries read beyond what the engine can admit now", "2"),
+    publish_interval_ms: Optional[float] = _wopt("--publish-interval-ms", "publish_interval_ms",
+                                                 "a job's tokens are coalesced this long before they are written", "20"),
     burst: bool = typer.Option(False, "--burst", help="exit when the queue is empty"),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="PAGESTREAM_METRICS_PORT", show_envvar=True, help="serve Prometheus metrics (only /metrics) on this port [default: none]"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="PAGESTREAM_METRICS_PORT", show_envvar=True, show_default="none", help="serve Prometheus metrics (only /metrics) on this port"),
     metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", envvar="PAGESTREAM_METRICS_HOST", show_envvar=True,
                                      help="address the metrics endpoint binds (0.0.0.0 in a container)"),
-    log_level: str = typer.Option("INFO", "--log-level"),
+    log_level: str = typer.Option("INFO", "--log-level", envvar="PAGESTREAM_LOG_LEVEL", show_envvar=True,
+                                  help="DEBUG | INFO | WARNING | ERROR"),
 ) -> None:
     """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
-    import redis
-
     from pagestream.engine.errors import EngineDeadError
+    from pagestream.producer.redis_conn import connect
     from pagestream.worker.settings import WorkerSettings
     from pagestream.worker.worker import Worker
 
@@ -134,7 +145,7 @@ def worker(
     }
     settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
     engine = build_engine(settings)
-    client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    client = connect(settings.redis_url, health_check_interval=30)  # a single node or any node of a cluster
     w = Worker(client, engine, settings)
     if metrics_port:
         w.metrics.watch_engine(engine)
@@ -162,17 +173,17 @@ def worker(
 def submit(
     prompt: str = typer.Argument(..., help="the prompt (use --chat to send it as a user message)"),
     redis_url: Optional[str] = RedisUrl,
-    max_tokens: int = typer.Option(64, "--max-tokens"),
-    temperature: float = typer.Option(1.0, "--temperature"),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="most tokens to generate"),
+    temperature: float = typer.Option(1.0, "--temperature", help="sampling temperature (0: greedy)"),
+    top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling: keep the smallest set of tokens with this much probability"),
+    seed: Optional[int] = typer.Option(None, "--seed", show_default="none (unseeded)", help="sampling seed (a resumed job repeats its text exactly)"),
     lane: Lane = typer.Option(Lane.NORMAL, "--lane", help="priority lane: workers read high before normal before low"),
-    job_id: Optional[str] = typer.Option(None, "--job-id"),
+    job_id: Optional[str] = typer.Option(None, "--job-id", show_default="a new id", help="job id (submitting an existing id again is a no-op)"),
     chat: bool = typer.Option(False, "--chat", help="apply the model's chat template"),
-    system: Optional[str] = typer.Option(None, "--system", help="system message (implies --chat)"),
+    system: Optional[str] = typer.Option(None, "--system", show_default="none", help="system message (implies --chat)"),
     stream: bool = typer.Option(False, "--stream", help="print tokens live"),
     as_json: bool = typer.Option(False, "--json", help="print the final JobResult as JSON"),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="seconds to wait for the result"),
+    timeout: Optional[float] = typer.Option(None, "--timeout", show_default="no limit", help="seconds to wait for the result"),
     no_wait: bool = typer.Option(False, "--no-wait", help="print the job id and return"),
 ) -> None:
     """Submit one job; print its text (or the result as JSON)."""
@@ -215,11 +226,11 @@ def submit(
 
 @app.command()
 def tail(
-    job_id: str = typer.Argument(...),
+    job_id: str = typer.Argument(..., help="the job to follow"),
     redis_url: Optional[str] = RedisUrl,
-    from_index: int = typer.Option(0, "--from-index"),
+    from_index: int = typer.Option(0, "--from-index", help="skip the tokens before this index (a subscriber resuming)"),
     as_json: bool = typer.Option(False, "--json", help="one TokenEvent JSON per line"),
-    timeout: Optional[float] = typer.Option(None, "--timeout"),
+    timeout: Optional[float] = typer.Option(None, "--timeout", show_default="no limit", help="seconds to wait for the next token"),
 ) -> None:
     """Follow a job's token stream until it ends."""
     from pagestream.producer import Producer
@@ -245,15 +256,14 @@ def tail(
 @app.command()
 def stats(
     redis_url: Optional[str] = RedisUrl,
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="print the figures as JSON"),
     window_s: int = typer.Option(10, "--window", help="seconds over which jobs/s is averaged"),
 ) -> None:
     """Per lane: length, pending, consumers and their idle time, DLQ size, jobs/s."""
-    import redis
-
+    from pagestream.producer.redis_conn import connect
     from pagestream.worker.stats import collect_stats, format_stats
 
-    client = redis.Redis.from_url(_url(redis_url))
+    client = connect(_url(redis_url))
     data = collect_stats(client, window_s=window_s)
     typer.echo(json.dumps(data, indent=2) if as_json else format_stats(data))
 

@@ -1,6 +1,9 @@
 """One worker's side of the consumer group: read, reclaim, keep leases, ack, dead-letter, trim.
 
-Each lane is one stream (``ps:jobs:{lane}``) with one group. An entry is "held"
+Each lane is one stream (``ps:jobs:{lane}``) with one group; on Redis Cluster each lane
+is ``lane_shards`` streams (``producer.lanes``), and this consumer reads, reclaims, trims
+and refreshes every one of them. Entries are named by a "lane key" (``normal`` for shard
+0, ``normal/3`` for shard 3), which is what ``Delivery.lane`` holds. An entry is "held"
 by this consumer from XREADGROUP/XAUTOCLAIM until XACK; while held, its idle
 time is reset every ``lease_ms / 3`` so other workers only reclaim entries of
 consumers that stopped doing so (dead or hung).
@@ -17,6 +20,7 @@ from typing import TypeVar
 import redis
 
 from pagestream.producer import keys
+from pagestream.producer.lanes import resolve_layout
 from pagestream.producer.schema import DeadLetter
 from pagestream.worker.settings import WorkerSettings
 
@@ -113,7 +117,17 @@ class Consumer:
         self.settings = settings
         self.group = settings.group
         self.name = settings.consumer
-        self.lanes = list(settings.lanes)
+        self.layout = resolve_layout(client)
+        # every stream this consumer reads, as lane keys: high's shards before normal's before low's
+        self.lanes_by_priority = [self.layout.lane_keys(lane) for lane in settings.lanes]
+        self.lanes = [key for shards in self.lanes_by_priority for key in shards]
+        self._streams = {key: self.layout.stream(key, settings.served_model_name) for key in self.lanes}
+        self._turn = 0  # which shard of each lane is read first (round robin, so no shard starves)
+        # cluster only (_read_sharded): the newest doorbell entry seen, whether the last scan of the
+        # shards stopped early, when the next scan is due even without a ring
+        self._bell_last: bytes | None = None
+        self._backlog = True
+        self._next_scan = 0.0
         self._refresh = client.register_script(_REFRESH_LUA)
         self._read_cut = client.register_script(_READ_LUA)
         self._delete_idle = client.register_script(_DELETE_IDLE_LUA)
@@ -126,7 +140,20 @@ class Consumer:
         return [(i, dict(zip(f[::2], f[1::2])) if f else None) for i, f in rows]
 
     def stream(self, lane: str) -> str:
-        return keys.jobs_stream(lane, self.settings.served_model_name)
+        """The stream behind a lane key (``normal``, or ``normal/3`` for a shard on a cluster)."""
+        stream = self._streams.get(lane)
+        return stream if stream is not None else self.layout.stream(lane, self.settings.served_model_name)
+
+    def _read_order(self) -> list[str]:
+        """Lane keys in the order to read now: by lane priority, each lane's shards rotated by one per call."""
+        if not self.layout.sharded:
+            return self.lanes
+        self._turn += 1
+        order = []
+        for shards in self.lanes_by_priority:
+            k = self._turn % len(shards)
+            order.extend(shards[k:] + shards[:k])
+        return order
 
     def ensure_groups(self) -> None:
         """Create the group on every lane (from id 0: jobs submitted before any worker existed count)."""
@@ -166,7 +193,8 @@ class Consumer:
     def read(self, max_count: int, block_ms: int | None = None) -> list[Delivery]:
         """Up to ``max_count`` new entries, high lane before normal before low.
 
-        With ``block_ms`` and nothing available, waits on all lanes at once.
+        With ``block_ms`` and nothing available, waits on all lanes at once (on a cluster: on
+        the producers' doorbell, then reads every shard).
         """
         return self._regrouped(lambda: self._read(max_count, block_ms))
 
@@ -174,6 +202,8 @@ class Consumer:
         out: list[Delivery] = []
         if max_count <= 0:
             return out
+        if self.layout.sharded:
+            return self._read_sharded(max_count, block_ms)
         for lane in self.lanes:
             n = max_count - len(out)
             if n <= 0:
@@ -189,6 +219,58 @@ class Consumer:
         for stream, entries in resp or []:
             out.extend(Delivery(lane_of[_s(stream)], _s(i), f, 1) for i, f in entries)
         return out[:max_count]
+
+    def _read_sharded(self, max_count: int, block_ms: int | None) -> list[Delivery]:
+        """``read`` on a cluster, where a lane is many streams in different slots.
+
+        Scanning every shard costs one call per shard, so it happens only when the last scan filled
+        ``max_count`` (a backlog) or ``block_ms`` passed since the last full scan (an entry queued
+        without the doorbell, by a raw XADD). Otherwise a read is one non-blocking XREAD of the
+        producers' doorbell (``keys.lane_bell``, rung after their entries are in, naming the
+        shards), and only the shards it names are read. One XREADGROUP cannot block on several
+        slots: an idle worker blocks on the bell instead.
+        """
+        if self._bell_last is None:  # first read: note the bell before the first scan, so no ring is missed
+            newest = self.redis.xrevrange(keys.lane_bell(), count=1)
+            self._bell_last = newest[0][0] if newest else b"0-0"
+            self._backlog = True
+        if self._backlog or time.monotonic() >= self._next_scan:
+            out = self._scan(max_count)
+        else:
+            rung = self._bell_rang(None)
+            out = self._scan(max_count, rung) if rung else []
+        if out or not block_ms:
+            return out
+        rung = self._bell_rang(block_ms)
+        return self._scan(max_count, rung) if rung else []
+
+    def _bell_rang(self, block_ms: int | None) -> set[str]:
+        """Lane keys of this worker that producers rang since the last look (empty: none)."""
+        resp = self.redis.xread({keys.lane_bell(): self._bell_last}, count=1000, block=block_ms)
+        mine = (self.settings.served_model_name or "").encode()
+        rung: set[str] = set()
+        for _, entries in resp or []:
+            for entry_id, fields in entries:
+                self._bell_last = entry_id
+                if fields.get(b"model", b"") == mine:
+                    rung.update(_s(k) for k in fields.get(b"lanes", b"").split(b",") if k)
+        return rung & set(self.lanes)
+
+    def _scan(self, max_count: int, only: set[str] | None = None) -> list[Delivery]:
+        """Read every shard (or those in ``only``), lanes by priority, shards round robin, until ``max_count`` entries."""
+        out: list[Delivery] = []
+        for lane in self._read_order():
+            n = max_count - len(out)
+            if n <= 0:
+                break
+            if only is None or lane in only:
+                out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
+        if len(out) >= max_count:
+            self._backlog = True  # stopped early: more may be waiting
+        elif only is None:
+            self._backlog = False
+            self._next_scan = time.monotonic() + self.settings.block_ms / 1000
+        return out
 
     def reclaim(self, max_count: int) -> list[Delivery]:
         """XAUTOCLAIM entries idle longer than the lease (their consumer stopped refreshing)."""

@@ -22,7 +22,7 @@ from pagestream.producer import keys
 from pagestream.producer.schema import JobRequest, JobStatus
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
-from pagestream.worker.jobs import ActiveJob, InvalidJob, load_history, parse_delivery
+from pagestream.worker.jobs import ActiveJob, InvalidJob, claim_entries, load_history, parse_delivery
 from pagestream.worker.loop_state import Entry, LoopState
 from pagestream.worker.metrics import WorkerMetrics
 from pagestream.worker.publisher import Ack, Start
@@ -174,15 +174,21 @@ class Intake:
     def _check_state(self, jobs: list[ActiveJob]) -> list[object]:
         """One round trip for the job hashes: skip finished/cancelled jobs, expire late ones, find resumes."""
         ops: list[object] = []
-        pipe = self.redis.pipeline(transaction=False)
-        for a in jobs:
-            pipe.hmget(keys.job_hash(a.job_id), ["status", "cancel_requested"])
-        states = pipe.execute()
+        if self.consumer.layout.sharded:  # Redis Cluster: also settle which entry is the job's own
+            states = claim_entries(self.redis, jobs)
+        else:
+            pipe = self.redis.pipeline(transaction=False)
+            for a in jobs:
+                pipe.hmget(keys.job_hash(a.job_id), ["status", "cancel_requested"])
+            states = [(status, cancel_requested, True) for status, cancel_requested in pipe.execute()]
         resume_from: list[ActiveJob] = []
         now = time.time()
-        for a, (status, cancel_requested) in zip(jobs, states):
+        for a, (status, cancel_requested, own_entry) in zip(jobs, states):
             st = status.decode() if status else None
             a.has_job_hash = st is not None
+            if not own_entry:  # a second entry of a job whose submit was retried on a cluster: the other one runs
+                ops.append(Ack(a.delivery.lane, [a.delivery.entry_id]))
+                continue
             if not a.is_bulk and st in _FINAL:
                 ops.append(Ack(a.delivery.lane, [a.delivery.entry_id]))
                 continue

@@ -13,11 +13,12 @@ import redis
 import typer
 
 from pagestream.producer import keys
+from pagestream.producer.redis_conn import connect
 from pagestream.worker.cli_common import fail, redis_url_option, resolve_url
 
 
 def _client(url: str | None) -> redis.Redis:
-    return redis.Redis.from_url(resolve_url(url))
+    return connect(resolve_url(url))
 
 
 def _s(v) -> str | None:

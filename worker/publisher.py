@@ -6,7 +6,9 @@ coalescing each (job, sample)'s consecutive deltas into one event whose token
 index is that of its first token. One flush is one MULTI/EXEC transaction:
 token events, then start markers, final results + status hashes + TTLs, end
 events, XACKs and dead letters, so a job's last tokens, its result and its ack
-become visible together or not at all.
+become visible together or not at all. On Redis Cluster a flush is one atomic script per
+hash slot, then the acks (``worker.slot_batch``): a job's tokens, result and end entry stay
+together, and its ack follows them.
 """
 from __future__ import annotations
 
@@ -19,9 +21,11 @@ from dataclasses import dataclass, field
 import redis
 
 from pagestream.producer import keys
+from pagestream.producer.redis_conn import is_cluster
 from pagestream.producer.schema import JobResult, JobStatus
 from pagestream.producer.wire import end_fields, token_event_fields
 from pagestream.worker.consumer import Consumer, Delivery
+from pagestream.worker.slot_batch import SlotBatch
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +109,7 @@ class Publisher:
         self.last_error: BaseException | None = None
         self._out_ttl: dict[str, int] = {}  # job_id -> TTL for its out stream, set with its first event
         self._broken: dict[str, str] = {}  # job_id -> why its events cannot be written (its result fails)
+        self._sharded = is_cluster(client)
 
     def start(self) -> None:
         self._thread.start()
@@ -207,7 +212,8 @@ class Publisher:
         """One transaction for the batch; each item is serialized on its own first, so an item
         that cannot be written fails its own job (a failed result) and never the batch."""
         b = _coalesce(items)
-        pipe = self.redis.pipeline(transaction=True)
+        # Redis Cluster: one atomic script per slot, then the acks (worker.slot_batch says why)
+        pipe = SlotBatch(self.redis) if self._sharded else self.redis.pipeline(transaction=True)
         n_events = 0
         for op in b.ops:
             if isinstance(op, Start):  # before the deltas: a job's first delta may be in this batch
@@ -253,7 +259,7 @@ class Publisher:
                     self.consumer.ack(op.entry[0], [op.entry[1]], pipeline=pipe)
                     acked.append(op.entry)
                 if op.entry is not None:
-                    ctr = keys.done_counter(op.entry[0], now_s)
+                    ctr = keys.done_counter(keys.split_lane_key(op.entry[0])[0], now_s)  # per lane, not per shard
                     pipe.incr(ctr)
                     pipe.expire(ctr, 120)
             elif isinstance(op, Ack) and op.entry_ids:

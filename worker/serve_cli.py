@@ -21,11 +21,15 @@ from pagestream.producer.redaction import install_log_redaction, redact_url
 from pagestream.producer.settings import REDIS_URL_ENV
 from pagestream.worker.cli_common import resolve_url
 
-RedisUrl = typer.Option(None, "--redis-url", envvar=list(REDIS_URL_ENV), show_envvar=True, help="Redis URL (gateway: redis://localhost:6379/0; serve: an embedded one)")
-Host = typer.Option("127.0.0.1", "--host")
-Port = typer.Option(8000, "--port")
-ApiKeys = typer.Option(None, "--api-keys", envvar="PAGESTREAM_GATEWAY_API_KEYS", help="comma-separated Bearer keys (default: none needed)")
-MaxQueueDepth = typer.Option(None, "--max-queue-depth", help="answer 429 while a model has this many jobs waiting")
+RedisUrl = typer.Option(None, "--redis-url", envvar=list(REDIS_URL_ENV), show_envvar=True,
+                        show_default="gateway: redis://localhost:6379/0; serve: an embedded one",
+                        help="Redis URL (a single node or any node of a Redis Cluster)")
+Host = typer.Option("127.0.0.1", "--host", envvar="PAGESTREAM_GATEWAY_HOST", show_envvar=True, help="address the HTTP server binds")
+Port = typer.Option(8000, "--port", envvar="PAGESTREAM_GATEWAY_PORT", show_envvar=True, help="port the HTTP server listens on")
+ApiKeys = typer.Option(None, "--api-keys", envvar="PAGESTREAM_GATEWAY_API_KEYS", show_envvar=True, show_default="none needed",
+                       help="comma-separated Bearer keys")
+MaxQueueDepth = typer.Option(None, "--max-queue-depth", envvar="PAGESTREAM_GATEWAY_MAX_QUEUE_DEPTH", show_envvar=True,
+                             show_default="no limit", help="answer 429 while a model has this many jobs waiting")
 
 
 def _settings(redis_url: str, host: str, port: int, api_keys: str | None, max_queue_depth: int | None):
@@ -41,7 +45,7 @@ def gateway(
     port: int = Port,
     api_keys: Optional[str] = ApiKeys,
     max_queue_depth: Optional[int] = MaxQueueDepth,
-    log_level: str = typer.Option("INFO", "--log-level"),
+    log_level: str = typer.Option("INFO", "--log-level", envvar="PAGESTREAM_LOG_LEVEL", show_envvar=True, help="DEBUG | INFO | WARNING | ERROR"),
 ) -> None:
     """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) over the queue."""
     from pagestream.producer.gateway import run
@@ -68,18 +72,18 @@ def resolve_model(model: str) -> str:
 
 def serve(
     model: str = typer.Option(..., "--model", help="HF model directory, a hub id in the local HF cache, or 'fake'"),
-    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="the name clients use (default: --model as given)"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", show_default="--model as given", help="the name clients use"),
     redis_url: Optional[str] = RedisUrl,
     host: str = Host,
     port: int = Port,
     api_keys: Optional[str] = ApiKeys,
     max_queue_depth: Optional[int] = MaxQueueDepth,
-    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda"),
-    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
+    device: Optional[str] = typer.Option(None, "--device", show_default="auto", help="auto | cpu | cuda (the worker's)"),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", show_default="8", help="sequences the worker's engine runs at once"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", show_default="the model's", help="longest prompt + output, in tokens"),
     tensor_parallel_size: Optional[int] = typer.Option(
-        None, "--tensor-parallel-size", help="GPUs the worker's engine spans, one process each (default 1)"),
-    log_level: str = typer.Option("WARNING", "--log-level"),
+        None, "--tensor-parallel-size", show_default="1", help="GPUs the worker's engine spans, one process each"),
+    log_level: str = typer.Option("WARNING", "--log-level", help="DEBUG | INFO | WARNING | ERROR"),
 ) -> None:
     """One-command server: gateway + a worker for MODEL (+ an embedded Redis when none is configured)."""
     from pagestream.producer.gateway import run

@@ -1,4 +1,8 @@
-"""What ``pagestream stats`` shows: per lane length, pending, consumers and idle time, DLQ, jobs/s."""
+"""What ``pagestream stats`` shows: per lane length, pending, consumers and idle time, DLQ, jobs/s.
+
+On Redis Cluster a lane is several streams (``producer.lanes``): its figures are summed over
+them, and a consumer's idle time is the shortest it has on any of them.
+"""
 from __future__ import annotations
 
 import time
@@ -7,30 +11,48 @@ from typing import Any
 import redis
 
 from pagestream.producer import keys
+from pagestream.producer.lanes import resolve_layout
 
 
 def _s(v: Any) -> Any:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
 
-def collect_stats(client: redis.Redis, group: str = keys.DEFAULT_GROUP, window_s: int = 10) -> dict[str, Any]:
-    now = int(time.time())
-    lanes: dict[str, Any] = {}
-    for lane in keys.LANES:
-        stream = keys.jobs_stream(lane)
-        info: dict[str, Any] = {"length": client.xlen(stream), "pending": 0, "lag": None, "consumers": []}
+def _lane_info(client: redis.Redis, streams: list[str], group: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"length": 0, "pending": 0, "lag": None, "consumers": []}
+    consumers: dict[str, dict[str, Any]] = {}
+    for stream in streams:
+        info["length"] += client.xlen(stream)
         try:
             for g in client.xinfo_groups(stream):
                 if _s(g["name"]) == group:
-                    info["pending"] = int(g["pending"])
-                    info["lag"] = g.get("lag")
+                    info["pending"] += int(g["pending"])
+                    lag = g.get("lag")
+                    if lag is not None:
+                        info["lag"] = (info["lag"] or 0) + int(lag)
             for c in client.xinfo_consumers(stream, group):
-                info["consumers"].append({"name": _s(c["name"]), "pending": int(c["pending"]), "idle_ms": int(c["idle"])})
+                name = _s(c["name"])
+                mine = consumers.setdefault(name, {"name": name, "pending": 0, "idle_ms": int(c["idle"])})
+                mine["pending"] += int(c["pending"])
+                mine["idle_ms"] = min(mine["idle_ms"], int(c["idle"]))
         except redis.ResponseError:
             pass  # no stream or group yet
-        # full seconds only: the current one is still filling
-        counts = client.mget([keys.done_counter(lane, now - 1 - i) for i in range(window_s)])
-        info["jobs_per_s"] = round(sum(int(c) for c in counts if c) / window_s, 2)
+    info["consumers"] = list(consumers.values())
+    return info
+
+
+def collect_stats(client: redis.Redis, group: str = keys.DEFAULT_GROUP, window_s: int = 10) -> dict[str, Any]:
+    now = int(time.time())
+    layout = resolve_layout(client)
+    lanes: dict[str, Any] = {}
+    for lane in keys.LANES:
+        info = _lane_info(client, layout.streams(lane), group)
+        # full seconds only: the current one is still filling. GETs, not one MGET: on a cluster
+        # the counters live in different slots.
+        pipe = client.pipeline(transaction=False)
+        for i in range(window_s):
+            pipe.get(keys.done_counter(lane, now - 1 - i))
+        info["jobs_per_s"] = round(sum(int(c) for c in pipe.execute() if c) / window_s, 2)
         lanes[lane] = info
     workers = {}
     for key in client.scan_iter(match=keys.worker_hash("*"), count=1000):
