@@ -73,18 +73,10 @@ def _core_engine_class():
         def _make_output(self, req) -> _Compact:
             comps = []
             for i, seq in enumerate(req.seqs):
-                start = req.reported[i]
-                new_ids = seq.token_ids[seq.num_prompt_tokens + start:]
-                req.reported[i] = start + len(new_ids)
-                lps, req.pending_logprobs[i] = req.pending_logprobs[i], []
-                want = seq.params.logprobs is not None
-                comps.append((i, new_ids, req.cumulative_logprob[i] if want else None, lps if want else None,
+                _, new_ids, lps = self._take_new(req, i)
+                comps.append((i, new_ids, req.cumulative_logprob[i] if lps is not None else None, lps,
                               seq.finish_reason, seq.stop_reason))
-            finished = req.finished
-            metrics = None
-            if finished and req.first_token_time is not None:
-                metrics = {"arrival_time": req.arrival_time, "time_to_first_token": req.first_token_time - req.arrival_time}
-            return _Compact(int(req.request_id), finished, None, metrics, comps)
+            return _Compact(int(req.request_id), req.finished, None, self._final_metrics(req) or None, comps)
 
     return CoreEngine
 

@@ -268,30 +268,39 @@ class LLMEngine:
         if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.config.max_model_len:
             self.scheduler.finish(seq, "length")
 
+    def _take_new(self, req: _Request, i: int) -> tuple[int, list[int], list[dict[int, float]] | None]:
+        """Sample i's output tokens (and logprobs) not reported yet: (index of the first, ids, logprobs)."""
+        seq = req.seqs[i]
+        start = req.reported[i]
+        new_ids = seq.token_ids[seq.num_prompt_tokens + start :]
+        req.reported[i] = start + len(new_ids)
+        lps, req.pending_logprobs[i] = req.pending_logprobs[i], []
+        return start, new_ids, lps if seq.params.logprobs is not None else None
+
+    @staticmethod
+    def _final_metrics(req: _Request) -> dict[str, float]:
+        if not req.finished or req.first_token_time is None:
+            return {}
+        return {"arrival_time": req.arrival_time, "time_to_first_token": req.first_token_time - req.arrival_time}
+
     def _make_output(self, req: _Request) -> RequestOutput:
         completions = []
         for i, (seq, detok) in enumerate(zip(req.seqs, req.detoks)):
-            start = req.reported[i]
-            new_ids = seq.token_ids[seq.num_prompt_tokens + start :]
-            req.reported[i] = start + len(new_ids)
-            lps, req.pending_logprobs[i] = req.pending_logprobs[i], []
+            start, new_ids, lps = self._take_new(req, i)
             completions.append(
                 CompletionOutput(
                     index=i,
                     text=detok.take_delta(seq.is_finished),
                     token_ids=new_ids,
                     first_token_index=start,
-                    cumulative_logprob=req.cumulative_logprob[i] if seq.params.logprobs is not None else None,
-                    logprobs=lps if seq.params.logprobs is not None else None,
+                    cumulative_logprob=req.cumulative_logprob[i] if lps is not None else None,
+                    logprobs=lps,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
             )
-        finished = req.finished
-        metrics = {}
-        if finished and req.first_token_time is not None:
-            metrics = {"arrival_time": req.arrival_time, "time_to_first_token": req.first_token_time - req.arrival_time}
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, metrics=metrics)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
+                             metrics=self._final_metrics(req))
 
     # ---- stats ----------------------------------------------------------------------
     def stats(self) -> EngineStats:
