@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="an HF tokenizer directory (e.g. SmolLM2's): detokenization runs too")
     ap.add_argument("--output-kind", default="delta", choices=("delta", "final"),
                     help="delta: per-step outputs with text (the worker); final: whole outputs (LLM.generate)")
+    ap.add_argument("--phases", action="store_true", help="also time each phase of the step (throughput.py's host_phases)")
     ap.add_argument("--core", action="store_true",
                     help="the worker's engine core process: token ids only (its caller detokenizes), outputs pickled")
     args = ap.parse_args()
@@ -63,7 +64,7 @@ def main() -> None:
         plain_step = engine.step
         engine.step = lambda: pickle.dumps(("out", plain_step(), None), protocol=pickle.HIGHEST_PROTOCOL)
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True, output_kind=args.output_kind)
+    params = SamplingParams(temperature=0, max_tokens=(2 if args.phases else 1) * args.steps + 40, ignore_eos=True, output_kind=args.output_kind)
     for i in range(args.num_seqs):
         engine.add_request(str(i), prompt_token_ids=[rng.randrange(3, 1000) for _ in range(args.prompt_len)], params=params)
     while engine.scheduler.waiting:
@@ -75,6 +76,11 @@ def main() -> None:
     ms = (time.perf_counter() - t) / args.steps * 1000
     print(f"host time per decode step, {args.num_seqs} sequences ({'engine core: token ids, pickled' if args.core else args.output_kind + ' outputs'}, "
           f"{'tokenizer' if args.tokenizer else 'no tokenizer'}): {ms:.2f} ms")
+    if args.phases:
+        from throughput import host_cprofile, host_phases  # bench/ is on sys.path when run as a script
+
+        print("host ms per step by phase:", host_phases(engine, args.steps // 2))
+        print("\n".join(host_cprofile(engine, args.steps // 2)))
     # Paged-KV waste over the next steps: allocated slots that hold no token (the tail of
     # each sequence's last block), the figure PagedAttention keeps under 4%.
     waste = []

@@ -322,6 +322,26 @@ def time_mixed():
     return {"ms": ms, "TFLOPs": flops / ms / 1e9}
 
 
+def mixed_d64(copy_gbps: float) -> dict:
+    """Llama-3.2-1B's attention (32 query / 8 KV heads, head_dim 64) in a continuous-batching step:
+    256 decode rows at ~600-token contexts through the decode kernel, the same rows through the
+    prefill kernel (as a mixed step runs them today), and with one 300-token prompt added."""
+    scale = 64 ** -0.5
+    dec_ctx = [600] * 256
+    q, kc, vc, bt, cu, ctx = make_paged(dec_ctx, [1] * 256, 32, 8, 64, 16, BF16)
+    kv_bytes = sum(dec_ctx) * 8 * 64 * 2 * 2
+    out = {"decode_kernel_ms": bench(lambda: kernels.paged_decode_attention(q, kc, vc, bt, ctx, scale)),
+           "prefill_kernel_on_decode_rows_ms": bench(lambda: kernels.paged_prefill_attention(q, kc, vc, bt, cu, ctx, scale))}
+    q2, kc2, vc2, bt2, cu2, ctx2 = make_paged(dec_ctx + [300], [1] * 256 + [300], 32, 8, 64, 16, BF16)
+    out["prefill_kernel_mixed_256_decode_plus_300_prompt_ms"] = bench(
+        lambda: kernels.paged_prefill_attention(q2, kc2, vc2, bt2, cu2, ctx2, scale))
+    q3, kc3, vc3, bt3, cu3, ctx3 = make_paged([300], [300], 32, 8, 64, 16, BF16)
+    out["prefill_kernel_300_prompt_alone_ms"] = bench(lambda: kernels.paged_prefill_attention(q3, kc3, vc3, bt3, cu3, ctx3, scale))
+    out["kv_bytes_floor_ms"] = kv_bytes / (copy_gbps * 1e9) * 1e3
+    print("mixed d64:", json.dumps(out), flush=True)
+    return out
+
+
 def sweep_prefill():
     batch, seqlen = 4, 4096
     q, k, v, kc, vc, bt, cu, ctx = prefill_inputs(batch, seqlen)
@@ -380,6 +400,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="checks and a small timing set only")
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs")
     ap.add_argument("--sweep-d64-only", action="store_true", help="only the head_dim-64 decode tile sweep (1B shape)")
+    ap.add_argument("--mixed-d64-only", action="store_true", help="only the 1B-shape mixed-step attention timing")
     ap.add_argument("--no-fp16", action="store_true", help="check bf16 only")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_kernels.json"))
     args = ap.parse_args()
@@ -389,10 +410,13 @@ def main():
                       "torch": torch.__version__, "triton": triton.__version__}
     print(RESULTS["env"], flush=True)
     torch.manual_seed(0)
-    if args.sweep_d64_only:
+    if args.sweep_d64_only or args.mixed_d64_only:
         copy = copy_rate_gbps()
         RESULTS["copy_GBps"] = copy
-        sweep_decode_d64(copy)
+        if args.sweep_d64_only:
+            sweep_decode_d64(copy)
+        if args.mixed_d64_only:
+            RESULTS["mixed_d64"] = mixed_d64(copy)
         with open(args.json, "w") as f:
             json.dump(RESULTS, f, indent=1)
         return 0

@@ -324,6 +324,7 @@ def profile(shape, device, args) -> dict:
     _sync(device)
     wall_ms = (time.perf_counter() - t0) / n_steps * 1e3
     phases = host_phases(engine, n_steps)
+    hot = host_cprofile(engine, n_steps)
     with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(n_steps):
             engine.step()
@@ -355,7 +356,25 @@ def profile(shape, device, args) -> dict:
         "gpu_idle_fraction": 1 - busy / window if window else None,
         "top_kernels_ms_per_step": {k[:90]: v / 1e3 / n_steps for k, v in top},
         "host_ms_per_step": phases,
+        "host_cprofile_top": hot,
     }
+
+
+def host_cprofile(engine, n_steps, top=30) -> list[str]:
+    """cProfile over n_steps: the functions with the most own time (us per step), to see which
+    Python lines and torch calls the host's step is made of (cProfile slows the host ~1.5-2x)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n_steps):
+        engine.step()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [f"{tt / n_steps * 1e6:8.1f} us own {ct / n_steps * 1e6:8.1f} us cum {nc / n_steps:7.1f} calls  "
+            f"{os.path.basename(fn)}:{line} {name}" for (fn, line, name), (cc, nc, tt, ct, _) in rows]
 
 
 def host_phases(engine, n_steps) -> dict:
@@ -453,11 +472,19 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
                 raise RuntimeError("worker did not start: " + open(f"{logdir}/worker.log").read()[-3000:])
             time.sleep(0.2)
         with Producer.from_url(url) as producer:
+            wall0 = time.time()
             t0 = time.monotonic()
             ids = producer.submit_many([
                 {"prompt_token_ids": p, "max_tokens": out_len, "temperature": 0.0, "ignore_eos": True} for p in prompts])
             results = [producer.result(job_id, timeout=600) for job_id in ids]
             dt = time.monotonic() - t0
+            # where the queue's time goes: jobs reaching the engine (started_at), the last one done
+            started = sorted(r.started_at - wall0 for r in results if r.started_at is not None)
+            if started:
+                res["timeline_s"] = {"first_job_started": started[0], "median_job_started": started[len(started) // 2],
+                                     "last_job_started": started[-1],
+                                     "last_job_finished": max(r.finished_at for r in results) - wall0,
+                                     "all_results_read": dt}
             try:
                 res["worker_metrics"] = _scrape(metrics_port)
             except OSError as exc:
