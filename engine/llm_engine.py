@@ -16,7 +16,7 @@ from pagestream.engine.input_processor import EngineLimits, InputProcessor
 from pagestream.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagestream.engine.sampling_params import SamplingParams
 from pagestream.engine.scheduler import Scheduler
-from pagestream.engine.sequence import Sequence
+from pagestream.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from pagestream.engine.model_runner import StepHandle
@@ -41,7 +41,10 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:
+            if s.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
 
 def _load_tokenizer(path: str):
@@ -217,6 +220,8 @@ class LLMEngine:
             outputs += self._read_tokens(prev)
             prev = None
         sched = self.scheduler.schedule()
+        if sched.left:
+            self.runner.release_rows(sched.left)
         if not sched.is_empty:
             self._in_flight = self.runner.execute(sched, prev)
             self.scheduler.update_from_output(sched)
@@ -227,23 +232,34 @@ class LLMEngine:
     def _read_tokens(self, step: StepHandle) -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs."""
         sampled = step.result()
-        touched: dict[str, _Request] = {}
+        # a loop over every sequence of the step: plain fields, no properties
+        accepted = self.scheduler.append_tokens(step.seqs, sampled.token_ids)
+        if not accepted:
+            return []
+        self.num_generated_tokens += len(accepted)
+        requests = self._requests
+        logprobs = sampled.logprobs if sampled.logprobs.count(None) < len(sampled.logprobs) else None
         now = time.monotonic()
-        for i, seq in enumerate(step.seqs):
-            token = sampled.token_ids[i]
-            if not self.scheduler.append_token(seq, token):
-                continue  # it ended (stop, abort) while this token was on its way
-            req = self._requests[seq.request_id]
-            req.first_token_time = req.first_token_time or now
-            self.num_generated_tokens += 1
-            if sampled.logprobs[i] is not None:
-                chosen, top = sampled.logprobs[i]
+        # requests with an output to give: per-step (delta) ones, and whole (final) ones a sample of which ended
+        touched: dict[str, _Request] = {}
+        for i, seq in accepted:
+            req = requests[seq.request_id]
+            if req.first_token_time is None:
+                req.first_token_time = now
+            token = seq.token_ids[-1]
+            if logprobs is not None and logprobs[i] is not None:
+                chosen, top = logprobs[i]
                 req.pending_logprobs[seq.sample_index].append(top)
                 req.cumulative_logprob[seq.sample_index] += chosen
             self._check_stop(seq, req.detoks[seq.sample_index], token)
-            touched[req.request_id] = req
+            if req.params.output_kind != "final" or seq.status is SequenceStatus.FINISHED:
+                touched[req.request_id] = req
+        return self._outputs(touched.values())
+
+    def _outputs(self, reqs) -> list[RequestOutput]:
+        """The outputs of requests that made tokens this step (final ones only once finished)."""
         outputs = []
-        for req in touched.values():
+        for req in reqs:
             if req.params.output_kind == "final" and not req.finished:
                 continue
             out = self._make_output(req)
@@ -254,18 +270,19 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> None:
         p = seq.params
-        stopped_by_string = detok.add_token(token)
-        if stopped_by_string:
+        if detok.add_token(token):  # a stop string ended the text
             self.scheduler.finish(seq, "stop", detok.stop_reason)
             return
-        if seq.num_output_tokens >= p.min_tokens:
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 self.scheduler.finish(seq, "stop", None)
                 return
-            if token in p.stop_token_ids:
+            if p.stop_token_ids and token in p.stop_token_ids:
                 self.scheduler.finish(seq, "stop", token)
                 return
-        if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.config.max_model_len:
+        if (p.max_tokens is not None and num_output >= p.max_tokens) or num_tokens >= self.config.max_model_len:
             self.scheduler.finish(seq, "length")
 
     def _take_new(self, req: _Request, i: int) -> tuple[int, list[int], list[dict[int, float]] | None]:

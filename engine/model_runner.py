@@ -8,10 +8,12 @@ import logging
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagestream.engine.config import EngineConfig
 from pagestream.engine.distributed import TensorParallelDriver, TPGroup, tensor_parallel, unpack_step
+from pagestream.engine.input_batch import InputBatch
 from pagestream.engine.layers.attention import AttentionMetadata
 from pagestream.engine.loader import build_model
 from pagestream.engine.sampler import HostSample, Sampler, SamplerOutput
@@ -25,8 +27,8 @@ logger = logging.getLogger(__name__)
 _ALIGN = 16  # elements: 64 bytes of int32, 128 of int64
 
 
-def _packed(dtype: torch.dtype, pin: bool, *parts: list[int] | int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One host buffer holding ``parts`` (lists of ints, or an int: that many zeros), each
+def _packed(dtype: torch.dtype, pin: bool, *parts: np.ndarray | list[int] | int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One host buffer holding ``parts`` (arrays or lists of ints, or an int: that many zeros), each
     segment aligned; returns the buffer and a view per part."""
     sizes = [p if isinstance(p, int) else len(p) for p in parts]
     starts, total = [], 0
@@ -182,6 +184,7 @@ class ModelRunner:
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
         self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
+        self.input_batch = InputBatch(config.max_num_seqs, -(-config.max_model_len // self.block_size), self.block_size)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs()
@@ -351,85 +354,43 @@ class ModelRunner:
         return hidden[:n]
 
     # ---- the step ---------------------------------------------------------------
+    def release_rows(self, seqs: list[Sequence]) -> None:
+        """Sequences that left the running set (the scheduler's ``SchedulerOutput.left``) give
+        back their rows of the persistent batch."""
+        self.input_batch.release(seqs)
+
     def prepare(self, sched: SchedulerOutput, prev: "StepHandle | None" = None) -> StepInputs:
-        """Lay the step out in two pinned host buffers and send each with one async copy.
+        """Lay the step out (``InputBatch``) in two pinned host buffers and send each with one async copy.
 
         A decode row whose input token was sampled by ``prev`` (still in flight: the
         host does not know it yet) takes it from ``prev``'s device tensor instead.
         """
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        cu_seqlens = [0]
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        gather_dst: list[int] = []
-        gather_src: list[int] = []
-        prev_rows = prev.rows if prev is not None else {}
-        max_q = 0
-        num_tokens = 0
-        for seq, n in sched.num_scheduled_tokens.items():
-            start = seq.num_computed_tokens
-            end = start + n
-            table = seq.block_table
-            token_ids = seq.token_ids
-            known = len(token_ids)
-            if n == 1:  # decode: the common case, kept cheap
-                if start < known:
-                    input_ids.append(token_ids[start])
-                else:  # the token is still on the device, sampled by the step in flight
-                    gather_dst.append(num_tokens)
-                    gather_src.append(prev_rows[seq])
-                    input_ids.append(0)
-                positions.append(start)
-                slot_mapping.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids.extend(token_ids[start:end])
-                positions.extend(range(start, end))
-                slot_mapping.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
-                if n > max_q:
-                    max_q = n
-            num_tokens += n
-            cu_seqlens.append(num_tokens)
-            context_lens.append(end)
-            tables.append(table)
-            if end == known + seq.num_pending_tokens:
-                sample_rows.append(num_tokens - 1)
-                sample_seqs.append(seq)
-        max_q = max_q or 1
-        n_seq, width = len(tables), max(len(t) for t in tables)
+        lay = self.input_batch.layout(sched.num_scheduled_tokens, prev.rows if prev is not None else {})
+        n_seq, width = lay.block_tables.shape
         pin = self.device.type == "cuda"
         # Each segment starts on a 64-byte boundary: Triton specialises kernels on 16-byte
         # pointer alignment, so a misaligned view would compile (and run) another variant.
         longs, (ids, pos, slots, rows, dst, src) = _packed(
-            torch.long, pin, input_ids, positions, slot_mapping, sample_rows, gather_dst, gather_src)
-        ints, (ctx, cu, bt) = _packed(torch.int32, pin, context_lens, cu_seqlens, n_seq * width)
-        # One assignment of a flat list beats a numpy row write per sequence.
-        flat: list[int] = []
-        pad = [0] * width
-        for table in tables:
-            flat += table
-            flat += pad[len(table):]
-        bt.numpy()[:] = flat
+            torch.long, pin, lay.input_ids, lay.positions, lay.slot_mapping, lay.sample_rows, lay.gather_dst,
+            lay.gather_src)
+        ints, (ctx, cu, bt) = _packed(torch.int32, pin, lay.context_lens, lay.cu_seqlens_q, n_seq * width)
+        bt.numpy().reshape(n_seq, width)[:] = lay.block_tables
         if pin:
             dev_longs = longs.to(self.device, non_blocking=True)
             dev_ints = ints.to(self.device, non_blocking=True)
             ids, pos, slots, rows, dst, src = _same_views(dev_longs, longs, ids, pos, slots, rows, dst, src)
             ctx, cu, bt = _same_views(dev_ints, ints, ctx, cu, bt)
-        if gather_dst:
+        if lay.gather_dst.size:
             ids[dst] = prev.token_ids[src]
         meta = AttentionMetadata(
             slot_mapping=slots,
             block_tables=bt.view(n_seq, width),
             context_lens=ctx,
             cu_seqlens_q=cu,
-            max_seqlen_q=max_q,
-            decode_only=max_q == 1,
+            max_seqlen_q=lay.max_seqlen_q,
+            decode_only=lay.max_seqlen_q == 1,
         )
-        return StepInputs(ids, pos, meta, rows, sample_seqs)
+        return StepInputs(ids, pos, meta, rows, lay.sample_seqs)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, prev: "StepHandle | None" = None) -> "StepHandle":

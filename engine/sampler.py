@@ -92,14 +92,13 @@ class Sampler:
         the host, so the engine runs steps with penalised sequences synchronously.
         """
         # logits: [num_seqs, vocab] float32 (the model's raw output for each row's last position)
+        if self._plain_greedy(seqs):
+            # Greedy only: argmax in the model's dtype picks the same token as in fp32 (the
+            # conversion is exact and keeps order), without an fp32 copy of every row's logits.
+            return DeviceSample(logits[:, : self.vocab_size].argmax(dim=-1), [None] * len(seqs))
         params = [s.params for s in seqs]
         logprob_k = [p.logprobs for p in params]
         want_logprobs = any(k is not None for k in logprob_k)
-        if (not want_logprobs and all(p.greedy and not p.uses_penalties for p in params)
-                and not any(s.num_planned_output_tokens < s.params.min_tokens for s in seqs)):
-            # Greedy only: argmax in the model's dtype picks the same token as in fp32 (the
-            # conversion is exact and keeps order), without an fp32 copy of every row's logits.
-            return DeviceSample(logits[:, : self.vocab_size].argmax(dim=-1), logprob_k)
         logits = logits[:, : self.vocab_size].float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
@@ -118,6 +117,22 @@ class Sampler:
             out.chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
             out.top_vals, out.top_ids = raw_logprobs.topk(k_max, dim=-1)
         return out
+
+    @staticmethod
+    def _plain_greedy(seqs: list[Sequence]) -> bool:
+        """Every row greedy, without logprobs, penalties or a min_tokens ban in force. Runs for
+        every sampled sequence every step: a request's samples (often a whole batch) share one
+        SamplingParams, checked once per run of equal ones."""
+        checked = None
+        for s in seqs:
+            p = s.params
+            if p is not checked:
+                if p.logprobs is not None or not p.greedy or p.uses_penalties:
+                    return False
+                checked = p
+            if p.min_tokens and len(s.token_ids) + s.num_pending_tokens - s.num_prompt_tokens < p.min_tokens:
+                return False
+        return True
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[1]

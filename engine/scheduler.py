@@ -25,6 +25,9 @@ class SchedulerOutput:
 
     num_scheduled_tokens: dict[Sequence, int] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
+    # every sequence that left the running set since the last step (finished, aborted or
+    # preempted): the model runner frees their rows of the persistent batch
+    left: list[Sequence] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -52,6 +55,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
+        self._left: list[Sequence] = []  # left the running set since the last schedule()
 
     # ---- queue changes ---------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -64,6 +68,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._left.append(seq)
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
@@ -78,25 +83,42 @@ class Scheduler:
     # ---- the step ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        out.left, self._left = self._left, out.left
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
+        running = self.running
+        scheduled = out.num_scheduled_tokens
+        max_model_len = self.max_model_len
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_planned_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0 or self._ends_with_pending(seq):
-                # nothing to compute, or the token still on the device is its last one
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            # This loop runs for every running sequence every step: plain fields, no properties.
+            pending = seq.num_pending_tokens
+            planned = len(seq.token_ids) + pending
+            num_new = planned - seq.num_computed_tokens
+            if num_new <= 0 or (pending and (
+                    planned >= max_model_len
+                    or (seq.params.max_tokens is not None and planned - seq.num_prompt_tokens >= seq.params.max_tokens))):
+                # nothing to compute, or the token still on the device is its last one (max_tokens
+                # or the model's length): it ends when that token arrives, so it needs no step now
+                i += 1
+                continue
+            if num_new > budget:
+                num_new = budget
+            if bm.allocate_slots(seq, num_new):
+                scheduled[seq] = num_new
+                budget -= num_new
                 i += 1
                 continue
             while not bm.allocate_slots(seq, num_new):
-                victim = self.running[-1]  # lowest priority, latest arrival
+                victim = running[-1]  # lowest priority, latest arrival
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                out.num_scheduled_tokens[seq] = num_new
+                scheduled[seq] = num_new
                 budget -= num_new
                 i += 1
                 continue
@@ -127,17 +149,9 @@ class Scheduler:
     def _prompt_cached(parent: Sequence) -> bool:
         return parent.status is SequenceStatus.FINISHED or parent.num_computed_tokens >= parent.num_prompt_tokens
 
-    def _ends_with_pending(self, seq: Sequence) -> bool:
-        """The sequence's token still on the device is its last (max_tokens or the
-        model's length): it ends when that token arrives, so it needs no step now."""
-        if not seq.num_pending_tokens:
-            return False
-        max_tokens = seq.params.max_tokens
-        return (max_tokens is not None and seq.num_planned_output_tokens >= max_tokens) or \
-            seq.num_planned_tokens >= self.max_model_len
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._left.append(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
@@ -149,11 +163,24 @@ class Scheduler:
         that caught up (each sampled a token, pending until ``append_token``)."""
         caught_up = []
         for seq, n in out.num_scheduled_tokens.items():
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_planned_tokens:
+            computed = seq.num_computed_tokens + n
+            seq.num_computed_tokens = computed
+            if computed == len(seq.token_ids) + seq.num_pending_tokens:
                 seq.num_pending_tokens += 1
                 caught_up.append(seq)
         return caught_up
+
+    def append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> list[tuple[int, Sequence]]:
+        """``append_token`` for a step's sampled tokens (row i of ``token_ids`` is ``seqs[i]``'s);
+        returns (row, sequence) for those appended."""
+        accepted = []
+        finished = SequenceStatus.FINISHED
+        for i, seq in enumerate(seqs):
+            seq.num_pending_tokens -= 1
+            if seq.status is not finished:
+                seq.token_ids.append(token_ids[i])
+                accepted.append((i, seq))
+        return accepted
 
     def append_token(self, seq: Sequence, token_id: int) -> bool:
         """A sampled token reached the host. False (and nothing appended) when seq
