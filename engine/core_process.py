@@ -64,11 +64,46 @@ class _Compact(NamedTuple):
     comps: list  # per sample: (index, new token ids, cumulative logprob, logprobs, finish_reason, stop_reason)
 
 
+class _Tokens(NamedTuple):
+    """One new token for each of many single-sample, still running requests without logprobs (the
+    common step): two flat lists cross the pipe instead of a ``_Compact`` per request."""
+
+    rids: list[int]
+    token_ids: list[int]
+
+
 def _core_engine_class():
     from pagestream.engine.llm_engine import LLMEngine
+    from pagestream.engine.sequence import SequenceStatus
 
     class CoreEngine(LLMEngine):
         """``LLMEngine`` whose outputs are the pipe's tuples (token ids only: the caller detokenizes)."""
+
+        def add_checked_request(self, request_id: str, *args, **kwargs) -> None:
+            super().add_checked_request(request_id, *args, **kwargs)
+            self._requests[request_id].rid = int(request_id)  # the caller's id, as the pipe carries it
+
+        def _outputs(self, reqs) -> list:
+            outputs: list = []
+            rids: list[int] = []
+            token_ids: list[int] = []
+            rest = []
+            for req in reqs:
+                seqs = req.seqs
+                if len(seqs) == 1 and req.params.logprobs is None and req.params.output_kind == "delta":
+                    seq = seqs[0]
+                    if seq.status is not SequenceStatus.FINISHED:
+                        start = req.reported[0]
+                        if len(seq.token_ids) - seq.num_prompt_tokens == start + 1:  # one new token
+                            req.reported[0] = start + 1
+                            rids.append(req.rid)
+                            token_ids.append(seq.token_ids[-1])
+                            continue
+                rest.append(req)
+            if rids:
+                outputs.append(_Tokens(rids, token_ids))
+            outputs += super()._outputs(rest)
+            return outputs
 
         def _make_output(self, req) -> _Compact:
             comps = []
@@ -76,7 +111,7 @@ def _core_engine_class():
                 _, new_ids, lps = self._take_new(req, i)
                 comps.append((i, new_ids, req.cumulative_logprob[i] if lps is not None else None, lps,
                               seq.finish_reason, seq.stop_reason))
-            return _Compact(int(req.request_id), req.finished, None, self._final_metrics(req) or None, comps)
+            return _Compact(req.rid, req.finished, None, self._final_metrics(req) or None, comps)
 
     return CoreEngine
 
@@ -324,7 +359,19 @@ class EngineProcess:
             _, outs, stats = msg
             if stats is not None:
                 self._stats = stats
-            for rid, _finished, error, metrics, comps in outs:
+            for out in outs:
+                if len(out) == 2:  # _Tokens: one token each for single-sample requests
+                    for rid, token in zip(*out):
+                        live = self._live.get(rid)
+                        if live is None or live.done[0]:
+                            continue  # ended here (abort, stop string) while its tokens were on the way
+                        entry = new.get(rid)
+                        if entry is None:
+                            new[rid] = (live, [[token]], [None])
+                        else:
+                            entry[1][0].append(token)
+                    continue
+                rid, _finished, error, metrics, comps = out
                 live = self._live.get(rid)
                 if live is None:
                     continue  # ended here (abort, stop string) while its tokens were on the way
