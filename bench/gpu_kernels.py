@@ -335,6 +335,10 @@ def mixed_d64(copy_gbps: float) -> dict:
     q2, kc2, vc2, bt2, cu2, ctx2 = make_paged(dec_ctx + [300], [1] * 256 + [300], 32, 8, 64, 16, BF16)
     out["prefill_kernel_mixed_256_decode_plus_300_prompt_ms"] = bench(
         lambda: kernels.paged_prefill_attention(q2, kc2, vc2, bt2, cu2, ctx2, scale))
+    out["mixed_op_256_decode_plus_300_prompt_ms"] = bench(
+        lambda: kernels.paged_mixed_attention(q2, kc2, vc2, bt2, cu2, ctx2, scale))
+    ref = kernels.paged_prefill_attention(q2, kc2, vc2, bt2, cu2, ctx2, scale)
+    out["mixed_op_rel_err_vs_prefill_kernel"] = rel_err(kernels.paged_mixed_attention(q2, kc2, vc2, bt2, cu2, ctx2, scale), ref)
     q3, kc3, vc3, bt3, cu3, ctx3 = make_paged([300], [300], 32, 8, 64, 16, BF16)
     out["prefill_kernel_300_prompt_alone_ms"] = bench(lambda: kernels.paged_prefill_attention(q3, kc3, vc3, bt3, cu3, ctx3, scale))
     out["kv_bytes_floor_ms"] = kv_bytes / (copy_gbps * 1e9) * 1e3

@@ -32,6 +32,7 @@ class StepLayout:
     gather_dst: np.ndarray  # [num_gather] int64
     gather_src: np.ndarray  # [num_gather] int64
     max_seqlen_q: int
+    has_single_query_seqs: bool  # some sequence has one query token (a decode row)
 
 
 class InputBatch:
@@ -145,4 +146,5 @@ class InputBatch:
             gather_dst=gather_dst,
             gather_src=gather_src,
             max_seqlen_q=max_q,
+            has_single_query_seqs=max_q == 1 or bool((q_lens == 1).any()),
         )

@@ -389,6 +389,7 @@ class ModelRunner:
             cu_seqlens_q=cu,
             max_seqlen_q=lay.max_seqlen_q,
             decode_only=lay.max_seqlen_q == 1,
+            has_single_query_seqs=lay.has_single_query_seqs,
         )
         return StepInputs(ids, pos, meta, rows, lay.sample_seqs)
 

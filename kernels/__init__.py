@@ -17,7 +17,7 @@ import torch
 # Imported eagerly, after which each name below is the function and no longer
 # the submodule of the same name (`kernels.rms_norm` is callable).
 from pagestream.kernels.paged_decode_attention import paged_decode_attention
-from pagestream.kernels.paged_prefill_attention import paged_prefill_attention
+from pagestream.kernels.paged_prefill_attention import paged_mixed_attention, paged_prefill_attention
 from pagestream.kernels.rms_norm import rms_norm
 from pagestream.kernels.rotary import rotary_embedding
 from pagestream.kernels.silu_and_mul import silu_and_mul
@@ -28,6 +28,7 @@ __all__ = [
     "store_kvcache",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "paged_mixed_attention",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",

@@ -34,7 +34,7 @@ from pagestream.kernels._softcap import softcap_log2
 
 @triton.jit(do_not_specialize=["stride_bts"])  # the table width varies per eager step
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_ptr,
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
     qk_scale, softcap, softcap_log2e, window,
     stride_qs, stride_qh,
@@ -44,11 +44,18 @@ def _paged_decode_kernel(
     stride_os, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, Q_FROM_CU: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    seq64 = seq.to(tl.int64)
+    if Q_FROM_CU:  # a mixed step: sequence i's one query is row cu[i]; longer (or empty) ones are not ours
+        q_row = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+        if tl.load(cu_seqlens_ptr + seq + 1) - q_row != 1:
+            return
+    else:
+        q_row = seq64
     ctx_len = tl.load(context_lens_ptr + seq)
     # window > 0: only the last `window` tokens are visible; the splits share just those,
     # so blocks wholly outside the window are never read.
@@ -62,8 +69,7 @@ def _paged_decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
-    seq64 = seq.to(tl.int64)
-    q = tl.load(q_ptr + seq64 * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + q_row * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -94,7 +100,7 @@ def _paged_decode_kernel(
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + seq64 * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+        tl.store(out_ptr + q_row * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         # partials: [num_seqs, num_heads, NUM_SPLITS(, HEAD_DIM)], contiguous fp32
@@ -106,12 +112,19 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _paged_decode_reduce_kernel(
-    part_out_ptr, part_m_ptr, part_l_ptr, out_ptr,
+    part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, cu_seqlens_ptr,
     stride_os, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    Q_FROM_CU: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if Q_FROM_CU:
+        out_row = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+        if tl.load(cu_seqlens_ptr + seq + 1) - out_row != 1:
+            return
+    else:
+        out_row = seq
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < NUM_SPLITS
@@ -125,7 +138,7 @@ def _paged_decode_reduce_kernel(
     num = tl.sum(acc * w[:, None], 0)
     den = tl.sum(l * w, 0)
     out = num / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + out_row * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,6 +173,7 @@ def paged_decode_attention(
     logit_softcap: float | None = None,  # scores -> cap * tanh(scores / cap) before the softmax
     *,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim], written in full
+    cu_seqlens_q: torch.Tensor | None = None,  # [num_seqs + 1] int32: a mixed step's query layout (below)
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -173,7 +187,16 @@ def paged_decode_attention(
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         check_last_dim_contiguous(name, t)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens)
-    num_seqs, num_heads, head_dim = q.shape
+    num_rows, num_heads, head_dim = q.shape
+    num_seqs = num_rows
+    if cu_seqlens_q is not None:
+        # A mixed step (q: [num_tokens, ...]): the sequences of one query token each (row cu[i]) are
+        # computed here, the rows of the others are left as they are (paged_mixed_attention).
+        check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
+        check_same_device(q=q, cu_seqlens_q=cu_seqlens_q)
+        num_seqs = block_tables.shape[0]
+        if cu_seqlens_q.shape[0] != num_seqs + 1:
+            raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} does not match {num_seqs} sequences")
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
@@ -210,7 +233,7 @@ def paged_decode_attention(
     else:
         part_out = part_m = part_l = out  # unused
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens,
+        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q if cu_seqlens_q is not None else context_lens,
         out, part_out, part_m, part_l,
         *attention_score_args(scale, logit_softcap), sliding_window or 0,
         q.stride(0), q.stride(1),
@@ -221,16 +244,16 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, NUM_HEADS=num_heads,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        HAS_SOFTCAP=logit_softcap is not None,
+        HAS_SOFTCAP=logit_softcap is not None, Q_FROM_CU=cu_seqlens_q is not None,
         # head_dim 64 (Llama-3.2-1B): 2 stages reach 0.88-0.94 of the copy rate against 0.82-0.85 with 3
         # (bench/results/decode_sweep_d64_h200.json); head_dim 128 measured best at 3 (KERNELS_NOTES.md)
         num_warps=num_warps or 4, num_stages=num_stages or (2 if head_dim <= 64 else 3),
     )
     if num_splits > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_m, part_l, out,
+            part_out, part_m, part_l, out, cu_seqlens_q if cu_seqlens_q is not None else context_lens,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
-            num_warps=4,
+            Q_FROM_CU=cu_seqlens_q is not None, num_warps=4,
         )
     return out

@@ -104,7 +104,7 @@ def _paged_prefill_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, SKIP_SINGLE: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -114,6 +114,9 @@ def _paged_prefill_kernel(
     local_block = q_block - (q_start // BLOCK_Q + seq)
     if local_block * BLOCK_Q >= q_len:
         return
+    if SKIP_SINGLE:  # sequences of one query token are the decode kernel's (paged_mixed_attention)
+        if q_len == 1:
+            return
     ctx_len = tl.load(context_lens_ptr + seq)
     first_pos = ctx_len - q_len  # absolute position of the sequence's first query
 
@@ -185,6 +188,7 @@ def paged_prefill_attention(
     logit_softcap: float | None = None,  # scores -> cap * tanh(scores / cap) before the softmax
     *,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written in full
+    skip_single_query_seqs: bool = False,  # leave the rows of sequences with one query token as they are
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -244,7 +248,38 @@ def paged_prefill_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        HAS_SOFTCAP=logit_softcap is not None,
+        HAS_SOFTCAP=logit_softcap is not None, SKIP_SINGLE=skip_single_query_seqs,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
     return out
+
+
+def paged_mixed_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, tokens in cache incl. the new ones
+    scale: float,
+    max_seqlen_q: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """``paged_prefill_attention``'s result for a continuous-batching step that mixes prompts with
+    decode rows: the sequences of one query token go to the decode kernel (split over the context,
+    one K/V read per group of heads), the others to the prefill kernel. The prefill kernel's tiles
+    of 32 queries hold one useful query in a decode row: on Llama-3.2-1B's shape it took 3x the
+    decode kernel's time for 256 decode rows (bench/gpu_kernels.py --mixed-d64-only).
+    Both launches size their grids from the step's shapes alone, so a CUDA graph can hold them."""
+    from pagestream.kernels.paged_decode_attention import paged_decode_attention
+
+    out = paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_seqlen_q,
+                                  sliding_window, logit_softcap, out=out, skip_single_query_seqs=True)
+    # One program per (sequence, KV head), no split of the context: one kernel variant whatever the
+    # step's shape (a split count is a compile-time constant), and the decode rows of a mixed step
+    # run beside its prompts' programs, which keep the SMs busy.
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window,
+                                  logit_softcap, out=out, cu_seqlens_q=cu_seqlens_q, num_splits=1)

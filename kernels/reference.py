@@ -161,6 +161,11 @@ def paged_prefill_attention(
     return out
 
 
+# The Triton op splits a mixed step between the decode and prefill kernels; the result is the same
+# function of its inputs, which this reference computes in one pass.
+paged_mixed_attention = paged_prefill_attention
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

@@ -201,6 +201,31 @@ def test_paged_prefill_attention_mixed_batch(ratio, head_dim, block_size, dtype,
     assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("ratio,head_dim,block_size,dtype,tiles", PREFILL_CASES[:3])
+def test_paged_mixed_attention_sends_decode_rows_to_the_decode_kernel(ratio, head_dim, block_size, dtype, tiles):
+    """A continuous-batching step (prompts, a chunk, decode rows, an empty sequence): the mixed op
+    writes every row, equal to the one-pass reference; the decode kernel given the step's layout
+    writes the one-query rows alone (split or not) and leaves every other row as it was."""
+    seed = ratio * 1000 + head_dim + block_size + 11
+    ctx_lens = [block_size, 150, 200, 1, 2 * block_size + 1, 64, 90]
+    q_lens = [block_size, 60, 1, 1, 1, 0, 1]
+    q, kc, vc, bt, cu, ctx = make_paged(ctx_lens, q_lens, 2 * ratio, 2, head_dim, block_size, dtype, seed)
+    ref = R.paged_prefill_attention(q.float(), kc.float(), vc.float(), bt, cu, ctx, head_dim ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_mixed_attention(q, kc, vc, bt, cu, ctx, head_dim ** -0.5, out=out)
+    assert_close(out, ref, dtype)
+
+    single = torch.zeros(q.shape[0], dtype=torch.bool)
+    for i, n in enumerate(q_lens):
+        if n == 1:
+            single[int(cu[i])] = True
+    for splits in (1, 2):
+        out = torch.full_like(q, float("nan"))
+        kernels.paged_decode_attention(q, kc, vc, bt, ctx, head_dim ** -0.5, out=out, cu_seqlens_q=cu, num_splits=splits)
+        assert_close(out[single.to(out.device)], ref[single], dtype)
+        assert torch.isnan(out[~single.to(out.device)]).all(), "a row of a longer sequence was written"
+
+
 # ------------------------------------------------------------------ store, norm, rope
 
 
@@ -335,7 +360,11 @@ def test_attention_fuzz(seed):
     q, kc, vc, bt, cu, ctx = make_paged(ctx_lens, q_lens, 2 * ratio, 2, head_dim, block_size, dtype, 100 + seed)
     out = torch.full_like(q, float("nan"))
     kernels.paged_prefill_attention(q, kc, vc, bt, cu, ctx, head_dim ** -0.5, out=out)
-    assert_close(out, R.paged_prefill_attention(q.float(), kc.float(), vc.float(), bt, cu, ctx, head_dim ** -0.5), dtype)
+    ref = R.paged_prefill_attention(q.float(), kc.float(), vc.float(), bt, cu, ctx, head_dim ** -0.5)
+    assert_close(out, ref, dtype)
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_mixed_attention(q, kc, vc, bt, cu, ctx, head_dim ** -0.5, out=out)
+    assert_close(out, ref, dtype)
     last = (cu[1:] - 1).long()  # each sequence's last query is a decode row over its whole context
     out = torch.full_like(q[last], float("nan"))
     kernels.paged_decode_attention(q[last], kc, vc, bt, ctx, head_dim ** -0.5, out=out)

@@ -100,6 +100,9 @@ def test_window_and_softcap_fuzz(seed):
     kernels.paged_prefill_attention(q, kc, vc, bt, cu, ctx, scale, sliding_window=window, logit_softcap=softcap,
                                     out=out, **tiles)
     assert_close(out, ref, dtype)
+    out = torch.full_like(q, float("nan"))  # the split op: one-query sequences through the decode kernel
+    kernels.paged_mixed_attention(q, kc, vc, bt, cu, ctx, scale, sliding_window=window, logit_softcap=softcap, out=out)
+    assert_close(out, ref, dtype)
     out = torch.full_like(q[last], float("nan"))
     kernels.paged_decode_attention(q[last], kc, vc, bt, ctx, scale, sliding_window=window, logit_softcap=softcap,
                                    out=out, num_splits=pick([None, 1, 3]))

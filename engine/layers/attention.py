@@ -21,6 +21,8 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
     max_seqlen_q: int
     decode_only: bool  # every sequence has exactly one query token
+    # some sequence (not all) has exactly one query token; a captured mixed step assumes so
+    has_single_query_seqs: bool = True
 
 
 def layer_sliding_windows(cfg: dict, default_layer_types: list[str] | None = None) -> list[int | None]:
@@ -73,7 +75,9 @@ class PagedAttention(nn.Module):
         if meta.decode_only:
             return ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                                               self.scale, self.sliding_window, self.logit_softcap)
-        return ops.paged_prefill_attention(
+        # A step with decode rows beside its prompts sends those rows to the decode kernel.
+        attend = ops.paged_mixed_attention if meta.has_single_query_seqs else ops.paged_prefill_attention
+        return attend(
             q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.scale,
             meta.max_seqlen_q, self.sliding_window, self.logit_softcap,
         )
