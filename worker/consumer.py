@@ -218,6 +218,14 @@ class Consumer:
         lane_of = {self.stream(lane): lane for lane in self.lanes}
         for stream, entries in resp or []:
             out.extend(Delivery(lane_of[_s(stream)], _s(i), f, 1) for i, f in entries)
+        if out and max_count > 1:
+            # The entry that woke us is usually the first of a burst (submit_many, a bulk feeder):
+            # take what else is there now, so the engine starts on the burst rather than on one job.
+            for lane in self.lanes:
+                n = max_count - len(out)
+                if n <= 0:
+                    break
+                out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
         return out[:max_count]
 
     def _read_sharded(self, max_count: int, block_ms: int | None) -> list[Delivery]:
