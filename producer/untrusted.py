@@ -72,7 +72,16 @@ def check_json_tree(value: Any, max_depth: int) -> None:
                     _check_text(k)
                     stack.append((item, depth + 1))
             else:
-                stack.extend((item, depth + 1) for item in v)
+                # A job's token ids are a list of hundreds of ints: scalars are checked in place
+                # (strings) or skipped, and only containers go on the stack.
+                for item in v:
+                    t = type(item)
+                    if t is int or t is float or t is bool or item is None:
+                        continue
+                    if t is str:
+                        _check_text(item)
+                    else:
+                        stack.append((item, depth + 1))
 
 
 def _check_text(s: str) -> None:
