@@ -327,8 +327,8 @@ class EngineProcess:
         return bool(self._live) or bool(self._local)
 
     def num_admittable(self) -> int:
-        """As ``LLMEngine.num_admittable``: 0 while the core reports requests waiting."""
-        if self._stats is not None and self._stats.num_waiting:
+        """As ``LLMEngine.num_admittable``: 0 while the core reports requests held back by the KV pool."""
+        if self._stats is not None and self._stats.num_waiting and self._stats.kv_bound:
             return 0
         return max(0, self.limits.max_num_seqs - self._num_live_seqs)
 

@@ -198,10 +198,14 @@ class LLMEngine:
         return bool(self._requests) or bool(self._aborted_outputs) or self._in_flight is not None
 
     def num_admittable(self) -> int:
-        """How many new requests the engine would start on now (0 while some still wait)."""
-        if self.scheduler.waiting:
+        """How many more requests the engine takes now: up to ``max_num_seqs`` sequences running or
+        waiting, and none while the KV pool is what holds the waiting ones back. Requests that wait
+        only for the token budget (a burst of prompts prefilled over several steps) belong in the
+        engine: the scheduler starts each as soon as the budget allows, with no round trip to the queue."""
+        sched = self.scheduler
+        if sched.waiting and sched.kv_bound:
             return 0
-        return max(0, self.config.max_num_seqs - len(self.scheduler.running))
+        return max(0, self.config.max_num_seqs - len(sched.running) - len(sched.waiting))
 
     def step(self) -> list[RequestOutput]:
         """Plan and launch step N+1, then read step N's tokens while N+1 runs.
@@ -333,4 +337,5 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
+            kv_bound=self.scheduler.kv_bound,
         )

@@ -52,6 +52,9 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_generated_tokens: int
+    # the last admission stopped on the KV pool (or a preemption), not on the step's token budget:
+    # more requests would only wait in this engine
+    kv_bound: bool = False
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -56,6 +56,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
         self._left: list[Sequence] = []  # left the running set since the last schedule()
+        # the last schedule() preempted, or left a waiting sequence out for want of blocks
+        self.kv_bound = False
 
     # ---- queue changes ---------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -125,6 +127,7 @@ class Scheduler:
             break  # seq itself was preempted: nothing below it can run either
 
         # Admit new work only when nobody had to be preempted this step.
+        self.kv_bound = bool(out.preempted)
         if not out.preempted:
             j = 0
             while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -135,6 +138,7 @@ class Scheduler:
                 computed_blocks, num_cached = bm.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - num_cached, budget)
                 if not bm.allocate_slots(seq, num_new, computed_blocks):
+                    self.kv_bound = True
                     break  # FCFS: a blocked head blocks the queue
                 seq.num_computed_tokens = seq.num_cached_tokens = num_cached
                 seq.wait_for = None
