@@ -49,6 +49,10 @@ from pagestream.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _STATS_EVERY_S = 0.05  # the core sends EngineStats at most this often while it steps
+_ADD_BATCH = 32  # requests added in one go are sent to the core in batches of this many
+# step() waits at most this long for the core's next output: short, so the worker's loop gets back
+# to its queue (a burst of jobs still arriving) rather than sit out a long prefill step
+_STEP_WAIT_S = 0.005
 _START_TIMEOUT_S = 1800.0  # loading a large model and capturing graphs can take minutes
 
 
@@ -292,6 +296,9 @@ class EngineProcess:
         core_params = params if not params.stop and params.output_kind == "delta" else \
             dataclasses.replace(params, stop=None, output_kind="delta")
         self._to_add.append((rid, prompt, ids, resume, core_params, priority))
+        if len(self._to_add) >= _ADD_BATCH:  # a burst: let the core start on it while the rest is checked
+            batch, self._to_add = self._to_add, []
+            self._send(("add", batch))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.inputs.chat_token_ids(messages)
@@ -332,7 +339,7 @@ class EngineProcess:
             return 0
         return max(0, self.limits.max_num_seqs - self._num_live_seqs)
 
-    def step(self, timeout_s: float = 0.05) -> list[RequestOutput]:
+    def step(self, timeout_s: float = _STEP_WAIT_S) -> list[RequestOutput]:
         """Send what was added, then return what the core produced since the last call, one
         delta per request (waiting up to ``timeout_s`` for the first of it)."""
         self._check_alive()

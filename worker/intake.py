@@ -18,6 +18,7 @@ from typing import Any
 
 import redis
 
+from pagestream.engine.errors import EngineDeadError
 from pagestream.producer import keys
 from pagestream.producer.schema import JobRequest, JobStatus
 from pagestream.worker.bulk_jobs import BulkJobs
@@ -256,6 +257,8 @@ class Intake:
         except ValueError as exc:
             ops.extend(self.results.reject(a.delivery, f"rejected by the engine: {exc}", j))
             return False
+        except EngineDeadError:
+            raise  # not this job's fault: the worker exits and its jobs go to other workers
         except Exception as exc:  # an engine bug on this input: the job fails, the worker goes on
             log.exception("add_request(%s) failed", j.job_id)
             ops.extend(self.results.reject(a.delivery, f"the engine could not take this job: {type(exc).__name__}: {exc}", j))
