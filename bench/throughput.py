@@ -218,7 +218,11 @@ def lognormal(shape, n, device, args, ceil) -> dict:
     lens_in = [min(2048, max(4, int(rng.lognormvariate(5.3, 0.9)))) for _ in range(n)]
     lens_out = [min(1024, max(4, int(rng.lognormvariate(5.2, 0.9)))) for _ in range(n)]
     prompts = [[rng.randrange(3, vocab) for _ in range(i)] for i in lens_in]
-    llm = make_llm(model_dir, device, args, **({"max_num_seqs": args.lognormal_max_num_seqs} if args.lognormal_max_num_seqs else {}))
+    from pagestream.engine.config import EngineConfig
+
+    # the engine's default, as a user gets it (the fixed workloads run their 256 requests at 256)
+    default = EngineConfig.__dataclass_fields__["max_num_seqs"].default
+    llm = make_llm(model_dir, device, args, max_num_seqs=args.lognormal_max_num_seqs or default)
     llm.generate(prompt_token_ids=[p[:64] for p in prompts[:8]], sampling_params=SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in lens_out]
     res = {"workload": f"{shape}: {n} requests, lognormal lengths (in mean {sum(lens_in) / n:.0f}, "
@@ -529,7 +533,7 @@ def main():
     ap.add_argument("--output-kind", default="final", choices=("final", "delta"),
                     help="profile workloads: whole outputs (LLM.generate) or per-step deltas (the worker)")
     ap.add_argument("--lognormal-max-num-seqs", type=int, default=None,
-                    help="1b-lognormal: sequences at once (default 256, as the other workloads)")
+                    help="1b-lognormal: sequences at once (default: the engine's default, 512)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     device = torch.device(args.device)

@@ -79,10 +79,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.85
     kv_cache_bytes: int = 512 * 2**20
-    # vLLM takes 1024 on cards of >= 70 GiB; here 1,000 lognormal requests on the H200 ran 0.32 of
-    # the floor at 1024 against 0.38 at 256 (BENCHMARKS.md; not profiled: steps past 512 rows
-    # run without CUDA graphs, and the host's share of a step grows with the batch)
-    max_num_seqs: int = 256
+    # Sequences at once. vLLM takes 1024 on cards of >= 70 GiB. On the H200, 1,000 lognormal requests
+    # ran 0.53 of the floor at 512 against 0.48 at 256 (BENCHMARKS.md, issue 9's third pass; earlier,
+    # with a costlier host step, 1024 had run 0.32 against 0.38 at 256): 512 is also the largest batch
+    # that decode CUDA graphs cover. More sequences trade time per output token for throughput.
+    max_num_seqs: int = 512
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     enable_prefix_caching: bool = True

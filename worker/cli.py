@@ -67,7 +67,7 @@ def build_engine(settings) -> object:
     try:
         config = EngineConfig(
             model=model, device=settings.device, dtype=settings.dtype,
-            max_num_seqs=settings.max_num_seqs or (256 if on_gpu else 8),
+            max_num_seqs=settings.max_num_seqs or (512 if on_gpu else 8),
             max_model_len=settings.max_model_len, seed=settings.seed, block_size=settings.block_size,
             gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager,
             tensor_parallel_size=settings.tensor_parallel_size, **extra,
@@ -104,7 +104,7 @@ def worker(
         show_default="on with CUDA, off on the CPU",
         help="run the engine core in its own process, so queue work never holds the GIL its step needs"),
     max_num_seqs: Optional[int] = _wopt("--max-num-seqs", "max_num_seqs", "sequences the engine runs at once",
-                                        "256 on a GPU, 8 on the CPU"),
+                                        "512 on a GPU, 8 on the CPU"),
     tensor_parallel_size: Optional[int] = _wopt("--tensor-parallel-size", "tensor_parallel_size",
                                                 "GPUs one engine spans, one process each", "1"),
     max_model_len: Optional[int] = _wopt("--max-model-len", "max_model_len", "longest prompt + output, in tokens",

@@ -35,7 +35,7 @@ class WorkerSettings(BaseSettings):
     lanes: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(keys.LANES))  # env: high,normal
 
     # engine limits (EngineConfig's meaning; None: the engine's default)
-    # None: 256 on a GPU; 8 on the CPU, where a step over many sequences is slow and the queue
+    # None: 512 on a GPU; 8 on the CPU, where a step over many sequences is slow and the queue
     # is better shared among workers
     max_num_seqs: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=1)
