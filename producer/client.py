@@ -18,6 +18,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import aclosing
 from typing import Any
 
 import redis
@@ -43,7 +44,48 @@ from pagestream.producer.schema import JobRequest, JobResult, JobStatus, TokenEv
 
 _ASYNC_PIPELINES = (aioredis.client.Pipeline, AsyncClusterPipeline)
 
-__all__ = ["AsyncProducer", "JobNotFound", "ModelNotServed", "Producer", "build_request"]
+__all__ = ["AsyncJobEvents", "AsyncProducer", "JobEvents", "JobNotFound", "ModelNotServed", "Producer", "build_request"]
+
+
+def _end_status(end: list) -> JobStatus | None:
+    try:
+        return JobStatus(end[0]) if end and end[0] else None
+    except ValueError:  # an end entry written by hand with a status we do not know
+        return None
+
+
+class JobEvents:
+    """What ``Producer.follow`` returns: the job's token events (iterate once); once they are
+    exhausted, ``status`` is the status the job's end entry named (None before that, or when
+    the job's stream had expired), so a caller need not read the result to know how it ended."""
+
+    def __init__(self, producer: Producer, steps: Steps) -> None:
+        self._producer, self._steps = producer, steps
+        self.status: JobStatus | None = None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        end: list = []
+        yield from self._producer._drive(self._steps, end)
+        self.status = _end_status(end)
+
+
+class AsyncJobEvents:
+    """``JobEvents`` for ``AsyncProducer.follow``: an async iterable, then ``status``."""
+
+    def __init__(self, producer: AsyncProducer, steps: Steps) -> None:
+        self._producer, self._steps = producer, steps
+        self.status: JobStatus | None = None
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[TokenEvent]:
+        end: list = []
+        # closed with the caller's iteration (not whenever the collector gets to it): its reads end now
+        async with aclosing(self._producer._drive(self._steps, end)) as events:
+            async for ev in events:
+                yield ev
+        self.status = _end_status(end)
 
 
 class Producer:
@@ -168,7 +210,11 @@ class Producer:
         reading resumes after the last event delivered). A job submitted with
         ``logprobs=k`` has ``event.logprobs``: one ``TokenLogprob`` per token id.
         """
-        yield from self._drive(self.core.stream(job_id, from_index, timeout), [])
+        yield from self.follow(job_id, from_index, timeout)
+
+    def follow(self, job_id: str, from_index: int = 0, timeout: float | None = None) -> JobEvents:
+        """``stream``, and then how the job ended: ``JobEvents.status`` once the events are exhausted."""
+        return JobEvents(self, self.core.stream(job_id, from_index, timeout))
 
 
 class AsyncProducer:
@@ -227,8 +273,9 @@ class AsyncProducer:
 
     async def _run(self, steps: Steps) -> Any:
         result: list = []
-        async for _ in self._drive(steps, result):
-            raise AssertionError("only stream() emits events")
+        async with aclosing(self._drive(steps, result)) as events:
+            async for _ in events:
+                raise AssertionError("only stream() emits events")
         return result[0]
 
     # -- API (docstrings on Producer) -------------------------------------------------------------
@@ -266,5 +313,8 @@ class AsyncProducer:
         return await self._run(self.core.result(job_id, timeout))
 
     async def stream(self, job_id: str, from_index: int = 0, timeout: float | None = None) -> AsyncIterator[TokenEvent]:
-        async for ev in self._drive(self.core.stream(job_id, from_index, timeout), []):
+        async for ev in self.follow(job_id, from_index, timeout):
             yield ev
+
+    def follow(self, job_id: str, from_index: int = 0, timeout: float | None = None) -> AsyncJobEvents:
+        return AsyncJobEvents(self, self.core.stream(job_id, from_index, timeout))

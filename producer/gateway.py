@@ -3,7 +3,7 @@
 Each request is checked here (JSON, schema, ranges, model served, context length,
 queue depth, API key) and becomes one job on the model's lanes; a bad request
 gets OpenAI's error shape and never reaches a worker. Streaming responses are
-server-sent events built from ``AsyncProducer.stream``; a client that goes away
+server-sent events built from ``AsyncProducer.follow``; a client that goes away
 has its job cancelled (the worker aborts it within one step, freeing its KV blocks).
 """
 from __future__ import annotations
@@ -249,7 +249,8 @@ class Gateway:
                 for i in range(n):
                     yield _sse(chunk(chat, rid, model, created, i, "", role=True))
             text_offset: dict[int, int] = {}  # per sample: completions' text_offset of its next token
-            async for ev in self.producer.stream(job_id, timeout=self.settings.request_timeout_s):
+            events = self.producer.follow(job_id, timeout=self.settings.request_timeout_s)
+            async for ev in events:
                 lps = None
                 if ev.logprobs:
                     offset = text_offset.get(ev.sample, 0)
@@ -257,6 +258,10 @@ class Gateway:
                     text_offset[ev.sample] = offset + sum(len(t.token) for t in ev.logprobs)
                 if ev.text or ev.finish_reason or lps:
                     yield _sse(chunk(chat, rid, model, created, ev.sample, ev.text, ev.finish_reason, logprobs=lps))
+            if events.status == JobStatus.COMPLETED and not include_usage:
+                finished = True  # nothing left to say that needs the result (two reads saved per stream)
+                yield _sse("[DONE]")
+                return
             result = await self.producer.result(job_id, timeout=60)
             finished = True
             if result.status != JobStatus.COMPLETED:
