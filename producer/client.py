@@ -38,6 +38,7 @@ from pagestream.producer.client_core import (
     build_request,
     call_script,
 )
+from pagestream.producer.client_mux import StreamMux
 from pagestream.producer.lanes import LaneLayout
 from pagestream.producer.redis_conn import connect, connect_async, is_cluster
 from pagestream.producer.schema import JobRequest, JobResult, JobStatus, TokenEvent
@@ -218,18 +219,27 @@ class Producer:
 
 
 class AsyncProducer:
-    """``Producer`` on redis.asyncio: same methods and exceptions, awaitable; ``stream`` is an async iterator."""
+    """``Producer`` on redis.asyncio: same methods and exceptions, awaitable; ``stream`` is an async iterator.
 
-    def __init__(self, client: aioredis.Redis, reconnect_timeout_s: float = 60.0) -> None:
+    ``multiplex_reads=True`` (for a process that follows many jobs at once, like the gateway):
+    every ``stream`` and ``result`` waiting at the same time shares one blocking XREAD
+    (``producer.client_mux``) instead of holding a connection each. Ignored on Redis Cluster,
+    where one XREAD cannot span the jobs' slots.
+    """
+
+    def __init__(self, client: aioredis.Redis, reconnect_timeout_s: float = 60.0, multiplex_reads: bool = False) -> None:
         self.redis = client
         self.core = ProducerCore(reconnect_timeout_s, cluster=is_cluster(client))
         self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
+        self.mux = StreamMux(client) if multiplex_reads and not self.core.cluster else None
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> AsyncProducer:
-        return cls(connect_async(url, **kwargs))
+    def from_url(cls, url: str, multiplex_reads: bool = False, **kwargs: Any) -> AsyncProducer:
+        return cls(connect_async(url, **kwargs), multiplex_reads=multiplex_reads)
 
     async def aclose(self) -> None:
+        if self.mux is not None:
+            await self.mux.aclose()
         await self.redis.aclose()
 
     async def __aenter__(self) -> AsyncProducer:
@@ -240,10 +250,13 @@ class AsyncProducer:
 
     # -- I/O: the only part that differs from Producer ---------------------------------------
 
-    async def _perform(self, op: Any) -> Any:
+    async def _perform(self, op: Any, reads: dict) -> Any:
         if isinstance(op, Sleep):
             await asyncio.sleep(op.seconds)
             return None
+        if self.mux is not None and op.method == "xread" and op.on is None and len(op.args[0]) == 1 and op.kwargs.get("block"):
+            ((key, last),) = op.args[0].items()
+            return await self.mux.read(reads, key, last, op.kwargs.get("count"), op.kwargs["block"])
         try:
             if op.script:
                 kw = op.kwargs
@@ -258,18 +271,23 @@ class AsyncProducer:
             raise
 
     async def _drive(self, steps: Steps, result: list) -> AsyncIterator[TokenEvent]:
+        reads: dict = {}  # this operation's subscriptions in the shared reader (multiplex_reads)
         reply = None
-        while True:
-            try:
-                op = steps.send(reply)
-            except StopIteration as stop:
-                result.append(stop.value)
-                return
-            if isinstance(op, Emit):
-                reply = None
-                yield op.event
-            else:
-                reply = await self._perform(op)
+        try:
+            while True:
+                try:
+                    op = steps.send(reply)
+                except StopIteration as stop:
+                    result.append(stop.value)
+                    return
+                if isinstance(op, Emit):
+                    reply = None
+                    yield op.event
+                else:
+                    reply = await self._perform(op, reads)
+        finally:
+            if reads:
+                self.mux.release(reads)
 
     async def _run(self, steps: Steps) -> Any:
         result: list = []

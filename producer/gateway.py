@@ -3,7 +3,8 @@
 Each request is checked here (JSON, schema, ranges, model served, context length,
 queue depth, API key) and becomes one job on the model's lanes; a bad request
 gets OpenAI's error shape and never reaches a worker. Streaming responses are
-server-sent events built from ``AsyncProducer.follow``; a client that goes away
+server-sent events built from ``AsyncProducer.follow``, every open stream read
+through one shared XREAD (``producer.client_mux``); a client that goes away
 has its job cancelled (the worker aborts it within one step, freeing its KV blocks).
 """
 from __future__ import annotations
@@ -64,7 +65,8 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     request_timeout_s: float = Field(600.0, gt=0)  # a job not finished by then is cancelled, 504
     model_refresh_s: float = Field(1.0, gt=0)  # how long the served-model list is trusted
-    # every open stream holds one connection in a blocking XREAD; past this many, requests wait for one
+    # Redis commands in flight at once; past this many, requests wait for a connection. Open streams and
+    # waiting requests share one blocking XREAD on a single node (client_mux); on a cluster each holds one.
     redis_max_connections: int = Field(4096, ge=8)
     # /v1/files and /v1/batches: uploads and batch outputs (a directory, or s3://bucket/prefix with S3_ENDPOINT_URL etc.)
     files_uri: str = Field(default_factory=lambda: str(Path.home() / ".cache" / "pagestream" / "files"))
@@ -301,7 +303,8 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
         elif producer is None:
             pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=settings.redis_max_connections, timeout=30)
             client = aioredis.Redis(connection_pool=pool)
-        gw = app.state.gateway = Gateway(settings, producer or AsyncProducer(client))
+        # one shared XREAD for every open stream and waiting request (client_mux), not one connection each
+        gw = app.state.gateway = Gateway(settings, producer or AsyncProducer(client, multiplex_reads=True))
         try:
             yield
         finally:
