@@ -20,10 +20,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
-import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -32,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagestream.producer import keys
 from pagestream.producer.bulk_rq import BULK_QUEUE
 from pagestream.producer.client import AsyncProducer
+from pagestream.producer.gateway_asgi import Accounting, EventStream
 from pagestream.producer.gateway_batches import add_batch_routes
 from pagestream.producer.gateway_openai import (
     ChatCompletionRequest,
@@ -210,8 +210,8 @@ class Gateway:
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._events(chat, rid, req.model, created, job_id, req.n, include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return EventStream(self._events(chat, rid, req.model, created, job_id, req.n, include_usage),
+                               headers={"Cache-Control": "no-cache"})
         result = await self._wait(request, job_id)
         if result.status != JobStatus.COMPLETED:
             raise _job_error(result)
@@ -328,23 +328,7 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
         code = "not_found" if exc.status_code == 404 else None
         return JSONResponse(GatewayError(exc.status_code, str(exc.detail), code=code).body(), status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        t0 = time.monotonic()
-        try:
-            response = await call_next(request)
-        except redis.RedisError as exc:
-            log.warning("Redis error on %s: %s", request.url.path, exc)
-            response = JSONResponse(GatewayError(503, "the queue is unavailable; retry later", type="server_error",
-                                                 code="queue_unavailable").body(), status_code=503)
-        except Exception:
-            log.exception("unhandled error on %s", request.url.path)
-            response = JSONResponse(GatewayError(500, "internal error", type="server_error").body(), status_code=500)
-        g = gw(request)
-        g.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        if not isinstance(response, StreamingResponse):
-            g.metrics.latency.labels(request.url.path).observe(time.monotonic() - t0)
-        return response
+    app.add_middleware(Accounting)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

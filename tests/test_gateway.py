@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -12,6 +13,7 @@ from openai.types.completion_choice import Logprobs
 import redis
 
 from gateway_helpers import DB_URL, GatewayProc
+from private_redis import PrivateRedis
 from pagestream.producer import JobResult, Producer
 from pagestream.producer import keys
 from pagestream.worker.fake_engine import FakeEngine
@@ -246,6 +248,55 @@ def test_a_disconnecting_client_cancels_its_job(stack):
     wait_for(lambda: r.hget(keys.job_hash(job_id), "status") == b"cancelled", 60, "the job to be cancelled")
     res = result_of(r, first[0].id)
     assert res.status.value == "cancelled" and res.completion_tokens < 1500
+
+
+def _metric(gw: GatewayProc, name: str, **labels: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=10).text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_metrics_count_requests_and_time_streams_apart(stack):
+    gw, c = stack["gw"], client(stack)
+    path = "/v1/completions"
+    ok, timed, streams = (_metric(gw, "pagestream_gateway_requests_total", endpoint=path, status="200"),
+                          _metric(gw, "pagestream_gateway_request_seconds_count", endpoint=path),
+                          _metric(gw, "pagestream_gateway_request_seconds_count", endpoint="stream"))
+    c.completions.create(model=MODEL, prompt="count me", max_tokens=2)
+    list(c.completions.create(model=MODEL, prompt="count me too", max_tokens=2, stream=True))
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert _metric(gw, "pagestream_gateway_requests_total", endpoint=path, status="200") == ok + 2
+    assert _metric(gw, "pagestream_gateway_requests_total", endpoint=path, status="404") >= 1
+    # answered in one body: timed per path; a stream times itself, to its last event
+    assert _metric(gw, "pagestream_gateway_request_seconds_count", endpoint=path) == timed + 2
+    assert _metric(gw, "pagestream_gateway_request_seconds_count", endpoint="stream") == streams + 1
+
+
+def test_redis_down_answers_503_in_openai_shape_and_serving_resumes(tmp_path):
+    server = PrivateRedis()
+    gw = GatewayProc(server.url, log_dir=tmp_path)
+    try:
+        announce(redis.Redis.from_url(server.url), "lonely-model", ttl_s=600)
+        gw.wait_ready()
+        c = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in c.models.list()] == ["lonely-model"]
+        server.stop()
+        time.sleep(1.5)  # past the gateway's served-model cache
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as info:
+                c.completions.create(model="lonely-model", prompt="anyone?", max_tokens=2, stream=stream)
+            assert info.value.status_code == 503 and info.value.code == "queue_unavailable"
+        assert httpx.get(f"http://127.0.0.1:{gw.port}/health", timeout=10).status_code == 503
+        server.start()
+        wait_for(gw.healthy, 30, "the gateway to reach Redis again")
+        assert [m.id for m in c.models.list()] == ["lonely-model"]
+    finally:
+        gw.stop()
+        server.stop()
 
 
 def test_queue_past_its_depth_answers_429(stack):
