@@ -18,6 +18,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import aclosing
 from typing import Any
 
 import redis
@@ -37,13 +38,55 @@ from pagestream.producer.client_core import (
     build_request,
     call_script,
 )
+from pagestream.producer.client_mux import StreamMux
 from pagestream.producer.lanes import LaneLayout
 from pagestream.producer.redis_conn import connect, connect_async, is_cluster
 from pagestream.producer.schema import JobRequest, JobResult, JobStatus, TokenEvent
 
 _ASYNC_PIPELINES = (aioredis.client.Pipeline, AsyncClusterPipeline)
 
-__all__ = ["AsyncProducer", "JobNotFound", "ModelNotServed", "Producer", "build_request"]
+__all__ = ["AsyncJobEvents", "AsyncProducer", "JobEvents", "JobNotFound", "ModelNotServed", "Producer", "build_request"]
+
+
+def _end_status(end: list) -> JobStatus | None:
+    try:
+        return JobStatus(end[0]) if end and end[0] else None
+    except ValueError:  # an end entry written by hand with a status we do not know
+        return None
+
+
+class JobEvents:
+    """What ``Producer.follow`` returns: the job's token events (iterate once); once they are
+    exhausted, ``status`` is the status the job's end entry named (None before that, or when
+    the job's stream had expired), so a caller need not read the result to know how it ended."""
+
+    def __init__(self, producer: Producer, steps: Steps) -> None:
+        self._producer, self._steps = producer, steps
+        self.status: JobStatus | None = None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        end: list = []
+        yield from self._producer._drive(self._steps, end)
+        self.status = _end_status(end)
+
+
+class AsyncJobEvents:
+    """``JobEvents`` for ``AsyncProducer.follow``: an async iterable, then ``status``."""
+
+    def __init__(self, producer: AsyncProducer, steps: Steps) -> None:
+        self._producer, self._steps = producer, steps
+        self.status: JobStatus | None = None
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[TokenEvent]:
+        end: list = []
+        # closed with the caller's iteration (not whenever the collector gets to it): its reads end now
+        async with aclosing(self._producer._drive(self._steps, end)) as events:
+            async for ev in events:
+                yield ev
+        self.status = _end_status(end)
 
 
 class Producer:
@@ -168,22 +211,35 @@ class Producer:
         reading resumes after the last event delivered). A job submitted with
         ``logprobs=k`` has ``event.logprobs``: one ``TokenLogprob`` per token id.
         """
-        yield from self._drive(self.core.stream(job_id, from_index, timeout), [])
+        yield from self.follow(job_id, from_index, timeout)
+
+    def follow(self, job_id: str, from_index: int = 0, timeout: float | None = None) -> JobEvents:
+        """``stream``, and then how the job ended: ``JobEvents.status`` once the events are exhausted."""
+        return JobEvents(self, self.core.stream(job_id, from_index, timeout))
 
 
 class AsyncProducer:
-    """``Producer`` on redis.asyncio: same methods and exceptions, awaitable; ``stream`` is an async iterator."""
+    """``Producer`` on redis.asyncio: same methods and exceptions, awaitable; ``stream`` is an async iterator.
 
-    def __init__(self, client: aioredis.Redis, reconnect_timeout_s: float = 60.0) -> None:
+    ``multiplex_reads=True`` (for a process that follows many jobs at once, like the gateway):
+    every ``stream`` and ``result`` waiting at the same time shares one blocking XREAD
+    (``producer.client_mux``) instead of holding a connection each. Ignored on Redis Cluster,
+    where one XREAD cannot span the jobs' slots.
+    """
+
+    def __init__(self, client: aioredis.Redis, reconnect_timeout_s: float = 60.0, multiplex_reads: bool = False) -> None:
         self.redis = client
         self.core = ProducerCore(reconnect_timeout_s, cluster=is_cluster(client))
         self._scripts = {name: client.register_script(src) for name, src in SCRIPTS.items()}
+        self.mux = StreamMux(client) if multiplex_reads and not self.core.cluster else None
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> AsyncProducer:
-        return cls(connect_async(url, **kwargs))
+    def from_url(cls, url: str, multiplex_reads: bool = False, **kwargs: Any) -> AsyncProducer:
+        return cls(connect_async(url, **kwargs), multiplex_reads=multiplex_reads)
 
     async def aclose(self) -> None:
+        if self.mux is not None:
+            await self.mux.aclose()
         await self.redis.aclose()
 
     async def __aenter__(self) -> AsyncProducer:
@@ -194,10 +250,13 @@ class AsyncProducer:
 
     # -- I/O: the only part that differs from Producer ---------------------------------------
 
-    async def _perform(self, op: Any) -> Any:
+    async def _perform(self, op: Any, reads: dict) -> Any:
         if isinstance(op, Sleep):
             await asyncio.sleep(op.seconds)
             return None
+        if self.mux is not None and op.method == "xread" and op.on is None and len(op.args[0]) == 1 and op.kwargs.get("block"):
+            ((key, last),) = op.args[0].items()
+            return await self.mux.read(reads, key, last, op.kwargs.get("count"), op.kwargs["block"])
         try:
             if op.script:
                 kw = op.kwargs
@@ -212,23 +271,29 @@ class AsyncProducer:
             raise
 
     async def _drive(self, steps: Steps, result: list) -> AsyncIterator[TokenEvent]:
+        reads: dict = {}  # this operation's subscriptions in the shared reader (multiplex_reads)
         reply = None
-        while True:
-            try:
-                op = steps.send(reply)
-            except StopIteration as stop:
-                result.append(stop.value)
-                return
-            if isinstance(op, Emit):
-                reply = None
-                yield op.event
-            else:
-                reply = await self._perform(op)
+        try:
+            while True:
+                try:
+                    op = steps.send(reply)
+                except StopIteration as stop:
+                    result.append(stop.value)
+                    return
+                if isinstance(op, Emit):
+                    reply = None
+                    yield op.event
+                else:
+                    reply = await self._perform(op, reads)
+        finally:
+            if reads:
+                self.mux.release(reads)
 
     async def _run(self, steps: Steps) -> Any:
         result: list = []
-        async for _ in self._drive(steps, result):
-            raise AssertionError("only stream() emits events")
+        async with aclosing(self._drive(steps, result)) as events:
+            async for _ in events:
+                raise AssertionError("only stream() emits events")
         return result[0]
 
     # -- API (docstrings on Producer) -------------------------------------------------------------
@@ -266,5 +331,8 @@ class AsyncProducer:
         return await self._run(self.core.result(job_id, timeout))
 
     async def stream(self, job_id: str, from_index: int = 0, timeout: float | None = None) -> AsyncIterator[TokenEvent]:
-        async for ev in self._drive(self.core.stream(job_id, from_index, timeout), []):
+        async for ev in self.follow(job_id, from_index, timeout):
             yield ev
+
+    def follow(self, job_id: str, from_index: int = 0, timeout: float | None = None) -> AsyncJobEvents:
+        return AsyncJobEvents(self, self.core.stream(job_id, from_index, timeout))

@@ -406,6 +406,8 @@ class ProducerCore:
                     last = _s(entries[-1][0])
 
     def stream(self, job_id: str, from_index: int, timeout: float | None) -> Steps:
+        """Emits the job's events; returns the status its end entry names (None when the job's
+        stream had expired before its end was read)."""
         out_key = keys.out_stream(job_id)
         dedup = EventDeduper(from_index)
         last = "0-0"  # the last entry read: after a reconnect, reading resumes right after it
@@ -422,7 +424,7 @@ class ProducerCore:
                 if st is None and not exists:
                     raise JobNotFound(job_id)
                 if st is not None and JobStatus(_s(st)).is_final and not exists:
-                    return
+                    return None
                 if timeout is not None and time.monotonic() - idle_since > timeout:
                     raise TimeoutError(f"no event for job {job_id} in {timeout} s")
                 continue
@@ -432,6 +434,6 @@ class ProducerCore:
                     last = _s(entry_id)
                     ev = decode_out_entry(job_id, fields)
                     if isinstance(ev, str):
-                        return
+                        return ev  # the end entry's status
                     if dedup.accept(ev):
                         yield Emit(ev)

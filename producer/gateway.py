@@ -3,7 +3,8 @@
 Each request is checked here (JSON, schema, ranges, model served, context length,
 queue depth, API key) and becomes one job on the model's lanes; a bad request
 gets OpenAI's error shape and never reaches a worker. Streaming responses are
-server-sent events built from ``AsyncProducer.stream``; a client that goes away
+server-sent events built from ``AsyncProducer.follow``, every open stream read
+through one shared XREAD (``producer.client_mux``); a client that goes away
 has its job cancelled (the worker aborts it within one step, freeing its KV blocks).
 """
 from __future__ import annotations
@@ -19,10 +20,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
-import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagestream.producer import keys
 from pagestream.producer.bulk_rq import BULK_QUEUE
 from pagestream.producer.client import AsyncProducer
+from pagestream.producer.gateway_asgi import Accounting, EventStream
 from pagestream.producer.gateway_batches import add_batch_routes
 from pagestream.producer.gateway_openai import (
     ChatCompletionRequest,
@@ -64,7 +65,8 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     request_timeout_s: float = Field(600.0, gt=0)  # a job not finished by then is cancelled, 504
     model_refresh_s: float = Field(1.0, gt=0)  # how long the served-model list is trusted
-    # every open stream holds one connection in a blocking XREAD; past this many, requests wait for one
+    # Redis commands in flight at once; past this many, requests wait for a connection. Open streams and
+    # waiting requests share one blocking XREAD on a single node (client_mux); on a cluster each holds one.
     redis_max_connections: int = Field(4096, ge=8)
     # /v1/files and /v1/batches: uploads and batch outputs (a directory, or s3://bucket/prefix with S3_ENDPOINT_URL etc.)
     files_uri: str = Field(default_factory=lambda: str(Path.home() / ".cache" / "pagestream" / "files"))
@@ -208,8 +210,8 @@ class Gateway:
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._events(chat, rid, req.model, created, job_id, req.n, include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return EventStream(self._events(chat, rid, req.model, created, job_id, req.n, include_usage),
+                               headers={"Cache-Control": "no-cache"})
         result = await self._wait(request, job_id)
         if result.status != JobStatus.COMPLETED:
             raise _job_error(result)
@@ -249,7 +251,8 @@ class Gateway:
                 for i in range(n):
                     yield _sse(chunk(chat, rid, model, created, i, "", role=True))
             text_offset: dict[int, int] = {}  # per sample: completions' text_offset of its next token
-            async for ev in self.producer.stream(job_id, timeout=self.settings.request_timeout_s):
+            events = self.producer.follow(job_id, timeout=self.settings.request_timeout_s)
+            async for ev in events:
                 lps = None
                 if ev.logprobs:
                     offset = text_offset.get(ev.sample, 0)
@@ -257,6 +260,10 @@ class Gateway:
                     text_offset[ev.sample] = offset + sum(len(t.token) for t in ev.logprobs)
                 if ev.text or ev.finish_reason or lps:
                     yield _sse(chunk(chat, rid, model, created, ev.sample, ev.text, ev.finish_reason, logprobs=lps))
+            if events.status == JobStatus.COMPLETED and not include_usage:
+                finished = True  # nothing left to say that needs the result (two reads saved per stream)
+                yield _sse("[DONE]")
+                return
             result = await self.producer.result(job_id, timeout=60)
             finished = True
             if result.status != JobStatus.COMPLETED:
@@ -296,7 +303,8 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
         elif producer is None:
             pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=settings.redis_max_connections, timeout=30)
             client = aioredis.Redis(connection_pool=pool)
-        gw = app.state.gateway = Gateway(settings, producer or AsyncProducer(client))
+        # one shared XREAD for every open stream and waiting request (client_mux), not one connection each
+        gw = app.state.gateway = Gateway(settings, producer or AsyncProducer(client, multiplex_reads=True))
         try:
             yield
         finally:
@@ -320,23 +328,7 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
         code = "not_found" if exc.status_code == 404 else None
         return JSONResponse(GatewayError(exc.status_code, str(exc.detail), code=code).body(), status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        t0 = time.monotonic()
-        try:
-            response = await call_next(request)
-        except redis.RedisError as exc:
-            log.warning("Redis error on %s: %s", request.url.path, exc)
-            response = JSONResponse(GatewayError(503, "the queue is unavailable; retry later", type="server_error",
-                                                 code="queue_unavailable").body(), status_code=503)
-        except Exception:
-            log.exception("unhandled error on %s", request.url.path)
-            response = JSONResponse(GatewayError(500, "internal error", type="server_error").body(), status_code=500)
-        g = gw(request)
-        g.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        if not isinstance(response, StreamingResponse):
-            g.metrics.latency.labels(request.url.path).observe(time.monotonic() - t0)
-        return response
+    app.add_middleware(Accounting)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -108,6 +108,12 @@ def out_stream(job_id: str) -> str:
     return f"{PREFIX}:out:{{{job_id}}}"
 
 
+def stream_mux_wake(instance: str) -> str:
+    """Stream one process's shared job-stream reader also blocks on: XADDed to when a job stream joins
+    while that read is in flight (``producer.client_mux``). Short TTL, deleted on close."""
+    return f"{PREFIX}:mux:{instance}"
+
+
 def done_counter(lane: str, epoch_s: int) -> str:
     """Jobs finished in one wall-clock second on a lane (for jobs/s in ``pagestream stats``)."""
     return f"{PREFIX}:rate:{lane}:{epoch_s}"

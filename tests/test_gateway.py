@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -12,6 +13,7 @@ from openai.types.completion_choice import Logprobs
 import redis
 
 from gateway_helpers import DB_URL, GatewayProc
+from private_redis import PrivateRedis
 from pagestream.producer import JobResult, Producer
 from pagestream.producer import keys
 from pagestream.worker.fake_engine import FakeEngine
@@ -197,6 +199,44 @@ def test_64_concurrent_streams_are_complete_and_correct(stack):
         assert got == want
 
 
+def test_open_streams_share_one_redis_read_and_all_end_exact(stack):
+    """100 streams open at once (the worker runs 80 at a time, 5 ms a token): every one complete and
+    exact, while the gateway blocks in at most one XREAD on Redis instead of one per stream."""
+    r, db = stack["r"], r_db(stack["r"])
+    blocked_reads: list[int] = []
+    done = asyncio.Event()
+
+    async def one(ac: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
+        prompt = f"held {i}"
+        stream = await ac.completions.create(model=MODEL, prompt=prompt, max_tokens=60, seed=i, stream=True)
+        text = "".join([ch.choices[0].text async for ch in stream if ch.choices])
+        return text, FakeEngine().expected_text(prompt, i, 60)
+
+    async def watch() -> None:  # every XREAD some client of this db is blocked in (the worker's cancel reader too)
+        while not done.is_set():
+            clients = await asyncio.to_thread(r.client_list)
+            blocked_reads.append(sum(1 for c in clients if c.get("db") == db and c.get("cmd") == "xread" and "b" in c.get("flags", "")))
+            await asyncio.sleep(0.05)
+
+    async def main():
+        watcher = asyncio.create_task(watch())
+        limits = httpx.Limits(max_connections=128)
+        async with openai.AsyncOpenAI(base_url=stack["gw"].base_url, api_key=KEY, max_retries=0, timeout=300,
+                                      http_client=httpx.AsyncClient(limits=limits, timeout=300)) as ac:
+            results = await asyncio.gather(*(one(ac, i) for i in range(100)))
+        done.set()
+        await watcher
+        return results
+
+    results = asyncio.run(main())
+    assert all(got == want for got, want in results)
+    assert len(blocked_reads) >= 5 and max(blocked_reads) <= 3, blocked_reads
+
+
+def r_db(r: redis.Redis) -> str:
+    return str(r.connection_pool.connection_kwargs.get("db", 0))
+
+
 def test_a_disconnecting_client_cancels_its_job(stack):
     r = stack["r"]
     c = client(stack)
@@ -208,6 +248,55 @@ def test_a_disconnecting_client_cancels_its_job(stack):
     wait_for(lambda: r.hget(keys.job_hash(job_id), "status") == b"cancelled", 60, "the job to be cancelled")
     res = result_of(r, first[0].id)
     assert res.status.value == "cancelled" and res.completion_tokens < 1500
+
+
+def _metric(gw: GatewayProc, name: str, **labels: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=10).text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_metrics_count_requests_and_time_streams_apart(stack):
+    gw, c = stack["gw"], client(stack)
+    path = "/v1/completions"
+    ok, timed, streams = (_metric(gw, "pagestream_gateway_requests_total", endpoint=path, status="200"),
+                          _metric(gw, "pagestream_gateway_request_seconds_count", endpoint=path),
+                          _metric(gw, "pagestream_gateway_request_seconds_count", endpoint="stream"))
+    c.completions.create(model=MODEL, prompt="count me", max_tokens=2)
+    list(c.completions.create(model=MODEL, prompt="count me too", max_tokens=2, stream=True))
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert _metric(gw, "pagestream_gateway_requests_total", endpoint=path, status="200") == ok + 2
+    assert _metric(gw, "pagestream_gateway_requests_total", endpoint=path, status="404") >= 1
+    # answered in one body: timed per path; a stream times itself, to its last event
+    assert _metric(gw, "pagestream_gateway_request_seconds_count", endpoint=path) == timed + 2
+    assert _metric(gw, "pagestream_gateway_request_seconds_count", endpoint="stream") == streams + 1
+
+
+def test_redis_down_answers_503_in_openai_shape_and_serving_resumes(tmp_path):
+    server = PrivateRedis()
+    gw = GatewayProc(server.url, log_dir=tmp_path)
+    try:
+        announce(redis.Redis.from_url(server.url), "lonely-model", ttl_s=600)
+        gw.wait_ready()
+        c = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in c.models.list()] == ["lonely-model"]
+        server.stop()
+        time.sleep(1.5)  # past the gateway's served-model cache
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as info:
+                c.completions.create(model="lonely-model", prompt="anyone?", max_tokens=2, stream=stream)
+            assert info.value.status_code == 503 and info.value.code == "queue_unavailable"
+        assert httpx.get(f"http://127.0.0.1:{gw.port}/health", timeout=10).status_code == 503
+        server.start()
+        wait_for(gw.healthy, 30, "the gateway to reach Redis again")
+        assert [m.id for m in c.models.list()] == ["lonely-model"]
+    finally:
+        gw.stop()
+        server.stop()
 
 
 def test_queue_past_its_depth_answers_429(stack):
