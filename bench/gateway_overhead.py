@@ -282,7 +282,12 @@ def main() -> None:
     gateway = start(["gateway", "--redis-url", args.redis_url, "--port", str(port), "--log-level", "WARNING"], logs / "gateway.log")
     base = f"http://127.0.0.1:{port}/v1"
     try:
-        wait_http(f"http://127.0.0.1:{port}/health")
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health")
+        except RuntimeError:
+            for name in ("gateway.log", "worker.log"):
+                print(f"--- {name}:\n" + (logs / name).read_text()[-3000:], file=sys.stderr)
+            raise
         with Producer.from_url(args.redis_url) as p:
             end = time.monotonic() + 60
             while not {MODEL, sweep_model} <= set(p.live_models()) and time.monotonic() < end:
