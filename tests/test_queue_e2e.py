@@ -131,7 +131,10 @@ def _subscribe_and_wait_mid_job(r, redis_url, producer, specs, victim: str):
 
 
 def test_kill9_worker_loses_nothing_and_seeded_jobs_resume_exactly(r, redis_url, producer, workers, tiny_llama_dir, reference_llm):
-    specs = [_spec(i, max_tokens=48) for i in range(1, 13)]
+    # long enough that the victim is still mid-job when a poll of a loaded machine comes round: with 48
+    # tokens a full-suite run once timed out waiting for that moment (the engine core now steps back to
+    # back with a 5 ms wait; most likely its jobs ended between two polls)
+    specs = [_spec(i, max_tokens=128) for i in range(1, 13)]
     wa = workers(redis_url, tiny_llama_dir, "crash-a", "--max-num-seqs", "6", "--lease-ms", "1500", "--engine-process")
     wb = workers(redis_url, tiny_llama_dir, "crash-b", "--max-num-seqs", "6", "--lease-ms", "1500")
     wa.wait_ready()
