@@ -45,10 +45,6 @@ class InputBatch:
         self._row_of: dict[Sequence, int] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
-    @property
-    def num_rows_in_use(self) -> int:
-        return len(self._row_of)
-
     def release(self, seqs: list[Sequence]) -> None:
         """Give back the rows of sequences that left the running set (finished or preempted:
         a preempted sequence comes back with a new block table, so it takes a fresh row)."""

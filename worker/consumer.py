@@ -204,11 +204,7 @@ class Consumer:
             return out
         if self.layout.sharded:
             return self._read_sharded(max_count, block_ms)
-        for lane in self.lanes:
-            n = max_count - len(out)
-            if n <= 0:
-                break
-            out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
+        self._read_lanes(out, max_count)
         if out or not block_ms:
             return out
         # one entry at most: the one read that is not cut down by _READ_LUA (Lua cannot block)
@@ -218,15 +214,19 @@ class Consumer:
         lane_of = {self.stream(lane): lane for lane in self.lanes}
         for stream, entries in resp or []:
             out.extend(Delivery(lane_of[_s(stream)], _s(i), f, 1) for i, f in entries)
-        if out and max_count > 1:
+        if out:
             # The entry that woke us is usually the first of a burst (submit_many, a bulk feeder):
             # take what else is there now, so the engine starts on the burst rather than on one job.
-            for lane in self.lanes:
-                n = max_count - len(out)
-                if n <= 0:
-                    break
-                out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
+            self._read_lanes(out, max_count)
         return out[:max_count]
+
+    def _read_lanes(self, out: list[Delivery], max_count: int) -> None:
+        """Append new entries to ``out`` until it holds ``max_count``, high lane before normal before low."""
+        for lane in self.lanes:
+            n = max_count - len(out)
+            if n <= 0:
+                break
+            out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
 
     def _read_sharded(self, max_count: int, block_ms: int | None) -> list[Delivery]:
         """``read`` on a cluster, where a lane is many streams in different slots.
