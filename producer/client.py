@@ -202,6 +202,16 @@ class Producer:
         """Wait for the final result. Raises ``TimeoutError`` after ``timeout`` s, ``JobNotFound`` if unknown."""
         return self._run(self.core.result(job_id, timeout))
 
+    def results(self, job_ids: Iterable[str], timeout: float | None = None) -> list[JobResult]:
+        """Wait for many jobs' results at once, returned in the order of ``job_ids``.
+
+        The batch form of ``result`` (for ``submit_many``): one blocking read waits on all of
+        the jobs, and results are read in pipelined rounds, so 256 results cost a few round
+        trips, not a few each. ``TimeoutError`` if any is unfinished after ``timeout`` s,
+        ``JobNotFound`` for an unknown id.
+        """
+        return self._run(self.core.results(list(job_ids), timeout))
+
     def stream(self, job_id: str, from_index: int = 0, timeout: float | None = None) -> Iterator[TokenEvent]:
         """Yield the job's token events in order, each token index once, until the job ends.
 
@@ -329,6 +339,9 @@ class AsyncProducer:
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         return await self._run(self.core.result(job_id, timeout))
+
+    async def results(self, job_ids: Iterable[str], timeout: float | None = None) -> list[JobResult]:
+        return await self._run(self.core.results(list(job_ids), timeout))
 
     async def stream(self, job_id: str, from_index: int = 0, timeout: float | None = None) -> AsyncIterator[TokenEvent]:
         async for ev in self.follow(job_id, from_index, timeout):

@@ -25,7 +25,7 @@ from pagestream.producer import keys
 from pagestream.producer.lanes import SINGLE, LaneLayout, layout_args
 from pagestream.producer.redis_conn import queue_script
 from pagestream.producer.schema import JobRequest, JobResult, JobStatus, TokenEvent
-from pagestream.producer.wire import END_TYPE, JOB_FIELD, TYPE_FIELD, EventDeduper, decode_out_entry, job_fields
+from pagestream.producer.wire import END_TYPE, JOB_FIELD, TYPE_FIELD, EventDeduper, decode_out_entry, is_end_entry, job_fields
 
 _FINAL = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_final)
 
@@ -404,6 +404,88 @@ class ProducerCore:
             for _, entries in resp or []:
                 if entries:
                     last = _s(entries[-1][0])
+
+    def _read_pipelined(self, calls: list[Call], what: str, patient: bool = True) -> Steps:
+        """``_read`` for several read-only commands in one round trip (a fresh pipeline per try:
+        redis-py empties a pipeline whether its execute succeeded or not)."""
+        backoff = ExponentialBackoff(cap=2.0, base=0.05)
+        failures = 0
+        give_up = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            pipe = yield Call("pipeline", kwargs={"transaction": False})
+            for c in calls:
+                yield Call(c.method, c.args, c.kwargs, on=pipe)
+            reply = yield Call("execute", on=pipe, retry=True)
+            if not isinstance(reply, Failed):
+                return reply
+            if not patient:
+                raise redis.ConnectionError(f"cannot reach Redis while {what}: {reply.error}") from reply.error
+            if time.monotonic() > give_up:
+                raise redis.ConnectionError(f"Redis unreachable for {self.reconnect_timeout_s} s while {what}") from reply.error
+            failures += 1
+            yield Sleep(backoff.compute(failures))
+
+    def results(self, job_ids: list[str], timeout: float | None) -> Steps:
+        """``result`` for many jobs at once, in the order of ``job_ids``.
+
+        One blocking XREAD waits on every unfinished job's stream, and the results are read in
+        pipelined rounds: a few round trips for the whole batch instead of a few per job. A job
+        is read again when its stream shows its end entry (written in the same transaction as its
+        result) and, as ``result`` does, whenever a block passes with nothing new. On Redis
+        Cluster one XREAD cannot span the jobs' hash slots, so the jobs are waited for in turn.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        unique = list(dict.fromkeys(job_ids))
+        got: dict[str, JobResult] = {}
+        if self.cluster:
+            for job_id in unique:
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                got[job_id] = yield from self.result(job_id, left)
+            return [got[j] for j in job_ids]
+        what = f"waiting for {len(unique)} jobs"
+        stream_of = {job_id: keys.out_stream(job_id) for job_id in unique}
+        job_of = {stream_of[j].encode(): j for j in unique}
+        last: dict[str, str] = {}
+        check = unique
+        reached = False  # a reconnect is waited for only once Redis answered this call
+        while True:
+            if check:
+                # Note each stream's newest entry before reading its result (the reason is in ``result``).
+                fresh = [j for j in check if j not in last]
+                if fresh:
+                    newest = yield from self._read_pipelined(
+                        [Call("xrevrange", (stream_of[j],), {"count": 1}) for j in fresh], what, reached)
+                    reached = True
+                    for j, entries in zip(fresh, newest):
+                        last[j] = _s(entries[0][0]) if entries else "0-0"
+                rows = yield from self._read_pipelined(
+                    [Call("hmget", (keys.job_hash(j), ["result", "status"])) for j in check], what)
+                for j, (raw, st) in zip(check, rows):
+                    if raw is not None:
+                        got[j] = JobResult.model_validate_json(raw)
+                        del last[j]
+                    elif st is None:
+                        raise JobNotFound(j)
+            if not last:
+                return [got[j] for j in job_ids]
+            block_ms = 1000
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(last)} of {len(unique)} jobs not finished after {timeout} s")
+                block_ms = max(1, min(block_ms, int(left * 1000)))
+            resp = yield from self._read(Call("xread", ({stream_of[j]: i for j, i in last.items()},),
+                                              {"count": 1000, "block": block_ms}, retry=True), what)
+            if not resp:
+                check = list(last)  # a quiet block: look at every hash again, as ``result`` does
+                continue
+            check = []
+            for key, entries in resp:
+                j = job_of[key if isinstance(key, bytes) else key.encode()]
+                if entries:
+                    last[j] = _s(entries[-1][0])
+                    if any(is_end_entry(f) for _, f in entries):
+                        check.append(j)
 
     def stream(self, job_id: str, from_index: int, timeout: float | None) -> Steps:
         """Emits the job's events; returns the status its end entry names (None when the job's

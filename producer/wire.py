@@ -15,6 +15,7 @@ from pagestream.producer.untrusted import MAX_JSON_DEPTH, UntrustedJSONError, lo
 JOB_FIELD = "job"
 #: out-stream entry field naming the event type
 TYPE_FIELD = "type"
+_TYPE_FIELD_B = TYPE_FIELD.encode()
 TOKEN_TYPE = "tok"
 END_TYPE = "end"
 
@@ -43,10 +44,16 @@ def _s(v: bytes | str) -> str:
     return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
+def is_end_entry(fields: dict) -> bool:
+    """Whether an out-stream entry's fields (bytes or str keys) are the job's ``end`` entry."""
+    t = fields.get(_TYPE_FIELD_B, fields.get(TYPE_FIELD))
+    return t is not None and _s(t) == END_TYPE
+
+
 def decode_out_entry(job_id: str, fields: dict) -> TokenEvent | str:
     """A TokenEvent, or the final status (str) for the ``end`` entry."""
     f = {_s(k): v for k, v in fields.items()}
-    if _s(f.get(TYPE_FIELD, b"")) == END_TYPE:
+    if is_end_entry(f):
         return _s(f.get("status", b""))
     ev = json.loads(_s(f["ev"]))
     return TokenEvent(

@@ -163,3 +163,64 @@ def test_a_queued_job_hash_expires_if_no_worker_ever_starts_it(producer, r):
     assert 0 < ttl <= QUEUED_JOB_KEY_TTL_S + 61
     with_deadline = producer.submit(prompt="run within a minute or never", max_tokens=4, ttl_s=60, result_ttl_s=60)
     assert 0 < r.ttl(keys.job_hash(with_deadline)) <= 121
+
+
+def _finish(r, job_id: str, text: str) -> None:
+    """What a worker leaves when a job ends: a token event, then its result and end entry together."""
+    from pagestream.producer.schema import JobResult
+
+    out = keys.out_stream(job_id)
+    r.xadd(out, token_event_fields(0, 0, [7], text, "stop"))
+    pipe = r.pipeline(transaction=False)
+    pipe.hset(keys.job_hash(job_id), mapping={"status": "completed", "result": JobResult(
+        job_id=job_id, status=JobStatus.COMPLETED, text=text, token_ids=[7]).model_dump_json()})
+    pipe.xadd(out, end_fields("completed"))
+    pipe.execute()
+
+
+@pytest.mark.also_on_cluster
+def test_results_waits_for_many_jobs_and_returns_them_in_order(producer, r):
+    import threading
+    import time
+
+    ids = producer.submit_many([{"prompt": f"p{i}"} for i in range(4)])
+
+    def worker():  # finishes them in reverse order, 50 ms apart
+        for i in reversed(range(4)):
+            time.sleep(0.05)
+            r.xadd(keys.out_stream(ids[i]), token_event_fields(0, 0, [], "", None))  # a wake that is not the end
+            _finish(r, ids[i], f"answer {i}")
+
+    t = threading.Thread(target=worker)
+    t0 = time.monotonic()
+    t.start()
+    got = producer.results([ids[2], *ids], timeout=30)  # a repeated id is answered twice
+    took = time.monotonic() - t0
+    t.join()
+    assert [res.text for res in got] == ["answer 2", "answer 0", "answer 1", "answer 2", "answer 3"]
+    assert all(res.status == JobStatus.COMPLETED for res in got)
+    if not producer.core.cluster:  # woken by the end entries, not by a blocking read running out (1 s)
+        assert took < 0.9, took
+
+
+@pytest.mark.also_on_cluster
+def test_results_unknown_job_and_timeout(producer, r):
+    done, running = producer.submit_many([{"prompt": "a"}, {"prompt": "b"}])
+    _finish(r, done, "ok")
+    with pytest.raises(JobNotFound):
+        producer.results([done, "never-submitted"], timeout=1)
+    with pytest.raises(TimeoutError, match="not finished"):
+        producer.results([done, running], timeout=0.3)
+    assert [res.text for res in producer.results([done], timeout=1)] == ["ok"]
+
+
+def test_async_results(redis_url, r):
+    async def main():
+        p = AsyncProducer.from_url(redis_url)
+        ids = await p.submit_many([{"prompt": "a"}, {"prompt": "b"}])
+        for i, job_id in enumerate(ids):
+            _finish(r, job_id, f"a{i}")
+        assert [res.text for res in await p.results(ids, timeout=2)] == ["a0", "a1"]
+        await p.aclose()
+
+    asyncio.run(main())
