@@ -235,6 +235,9 @@ class Publisher:
             n_events += 1
         acked: list[tuple[str, str]] = []
         now_s = int(time.time())
+        # one XACK per lane and one INCRBY per counter for the whole batch, not one of each per job
+        to_ack: dict[str, list[str]] = {}
+        done: dict[str, int] = {}
         for op in b.ops:
             if isinstance(op, Start):
                 jh = keys.job_hash(op.job_id)
@@ -256,15 +259,19 @@ class Publisher:
                     self.consumer.dead_letter(op.dead_letter, r.error or r.status.value, job_id, pipeline=pipe)
                     acked.append((op.dead_letter.lane, op.dead_letter.entry_id))
                 elif op.entry is not None:
-                    self.consumer.ack(op.entry[0], [op.entry[1]], pipeline=pipe)
+                    to_ack.setdefault(op.entry[0], []).append(op.entry[1])
                     acked.append(op.entry)
                 if op.entry is not None:
                     ctr = keys.done_counter(keys.split_lane_key(op.entry[0])[0], now_s)  # per lane, not per shard
-                    pipe.incr(ctr)
-                    pipe.expire(ctr, 120)
+                    done[ctr] = done.get(ctr, 0) + 1
             elif isinstance(op, Ack) and op.entry_ids:
-                self.consumer.ack(op.lane, op.entry_ids, pipeline=pipe)
+                to_ack.setdefault(op.lane, []).extend(op.entry_ids)
                 acked.extend((op.lane, e) for e in op.entry_ids)
+        for lane, entry_ids in to_ack.items():
+            self.consumer.ack(lane, entry_ids, pipeline=pipe)
+        for ctr, n in done.items():
+            pipe.incr(ctr, n)
+            pipe.expire(ctr, 120)
         # A command Redis refuses (a key of the wrong type, NOGROUP after a flush) fails alone;
         # the rest of the transaction is applied, and its entries are settled either way.
         errors = [res for res in pipe.execute(raise_on_error=False) if isinstance(res, Exception)]
