@@ -13,6 +13,7 @@ directory so detokenization runs as it does for users):
   1b-queue      the 1b-fixed prompts submitted to Redis and run by `pagestream worker` (a redis-server on PATH),
                 every stream checked; beside 1b-fixed's offline figure when that ran first. The worker runs
                 its engine core in a process of its own (its default on CUDA)
+  1b-queue-threads the same, its results read by 8 threads of `Producer.result` (1b-queue: `Producer.results`)
   1b-queue-inproc  the same with `--no-engine-process` (engine and queue work in one process)
   1b-profile    torch profiler over 24 decode steps of 256 sequences: GPU busy/idle between steps, top kernels,
                 host time per phase (--output-kind delta: per-step outputs, as the worker asks for them)
@@ -428,10 +429,11 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | None, engine_process: bool = True,
-              worker_args=()) -> dict:
+              worker_args=(), reader: str = "batch") -> dict:
     """The fixed workload submitted to Redis and run by a `pagestream worker` process on this GPU;
     every job's stream is read back and checked complete and in order against its result.
-    ``worker_args``: more flags for the worker (``--tensor-parallel-size 2``)."""
+    ``worker_args``: more flags for the worker (``--tensor-parallel-size 2``). ``reader``: how the
+    results are waited for, ``batch`` (``Producer.results``) or ``threads`` (8 threads of ``result``)."""
     import shutil
     import socket
     import subprocess
@@ -468,7 +470,8 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
     cmd += list(worker_args)
     worker = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT)
     res: dict = {"workload": f"{shape}: {n} x {in_len} -> {out_len}, submitted to Redis, one `pagestream worker`, "
-                             f"engine core {'in a process of its own' if engine_process else 'in the worker process'}"}
+                             f"engine core {'in a process of its own' if engine_process else 'in the worker process'}, "
+                             f"results read {'by Producer.results' if reader == 'batch' else 'by 8 threads of Producer.result'}"}
     try:
         deadline = time.monotonic() + 300
         while "ready" not in open(f"{logdir}/worker.log").read():
@@ -480,12 +483,13 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
             t0 = time.monotonic()
             ids = producer.submit_many([
                 {"prompt_token_ids": p, "max_tokens": out_len, "temperature": 0.0, "ignore_eos": True} for p in prompts])
-            # read as a service's consumers would: several at once (one client reading 256 results in
-            # turn spends ~0.5 ms a round trip after the last one is done, which no engine can hide)
-            from concurrent.futures import ThreadPoolExecutor
+            if reader == "batch":  # as a submit_many caller waits: one blocking read for all of them
+                results = producer.results(ids, timeout=600)
+            else:  # as a service's consumers would: 8 threads, one result() per job
+                from concurrent.futures import ThreadPoolExecutor
 
-            with ThreadPoolExecutor(8) as pool:
-                results = list(pool.map(lambda job_id: producer.result(job_id, timeout=600), ids))
+                with ThreadPoolExecutor(8) as pool:
+                    results = list(pool.map(lambda job_id: producer.result(job_id, timeout=600), ids))
             dt = time.monotonic() - t0
             # where the queue's time goes: jobs reaching the engine (started_at), the last one done
             started = sorted(r.started_at - wall0 for r in results if r.started_at is not None)
@@ -555,6 +559,7 @@ def main():
         "8b-prefill": lambda: prefill(eight, device, args, ceil),
         "tiny-fixed": lambda: fixed("tiny", 16, 64, 32, device, args, ceil),
         "1b-queue": lambda: queue_fed(big, 256, 512, 256, device, args, ceil, res.get("1b-fixed")),
+        "1b-queue-threads": lambda: queue_fed(big, 256, 512, 256, device, args, ceil, res.get("1b-fixed"), reader="threads"),
         "1b-queue-inproc": lambda: queue_fed(big, 256, 512, 256, device, args, ceil, res.get("1b-fixed"), engine_process=False),
         "tiny-queue": lambda: queue_fed("tiny", 16, 64, 32, device, args, ceil, res.get("tiny-fixed")),
         "tiny-queue-inproc": lambda: queue_fed("tiny", 16, 64, 32, device, args, ceil, res.get("tiny-fixed"), engine_process=False),
