@@ -570,3 +570,22 @@ def test_sink_that_cannot_write_stops_pulling_and_bounds_the_pel(r, redis_url, p
     w2.run(burst=True)
     assert r.xpending(stream, "workers")["pending"] == 0
     assert r.hget(keys.bulk_hash(bulk_id), "completed") == str(n).encode()
+
+
+def test_a_burst_reaches_the_engine_in_chunks_before_it_is_all_checked(r, redis_url, producer, monkeypatch):
+    # 100 jobs queued before the worker reads: the engine gets the first ones after at most one
+    # chunk of entries was parsed, not after all 100 (a burst's first jobs start sooner)
+    from pagestream.worker import intake
+
+    parsed = []
+    real_parse = intake.parse_delivery
+    monkeypatch.setattr(intake, "parse_delivery", lambda d, n: parsed.append(d) or real_parse(d, n))
+    w = make_worker(r, redis_url, max_num_seqs=128, prefetch=0)
+    parsed_at_add: list[int] = []
+    real_add = w.engine.add_request
+    w.engine.add_request = lambda *a, **k: parsed_at_add.append(len(parsed)) or real_add(*a, **k)
+    ids = producer.submit_many([{"prompt": f"job {i}", "max_tokens": 3, "seed": i} for i in range(100)])
+    w.run(burst=True)
+    assert all(res.status == JobStatus.COMPLETED for res in producer.results(ids, timeout=5))
+    assert len(parsed_at_add) == 100
+    assert parsed_at_add[0] <= intake.ACCEPT_CHUNK < 100, parsed_at_add[:3]

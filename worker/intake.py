@@ -32,6 +32,9 @@ from pagestream.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
+#: entries checked and admitted together when a read returns a burst
+ACCEPT_CHUNK = 32
+
 _FINAL = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED)
 
 
@@ -114,8 +117,11 @@ class Intake:
         if len(deliveries) < want:
             block_ms = self.settings.block_ms if block and not deliveries else None
             deliveries += self.consumer.read(want - len(deliveries), block_ms=block_ms)
-        if deliveries:
-            self.accept(deliveries)
+        # A burst is taken in chunks, each admitted before the next is parsed: the engine starts on
+        # the first jobs while the rest are still being checked.
+        for start in range(0, len(deliveries), ACCEPT_CHUNK):
+            self.accept(deliveries[start:start + ACCEPT_CHUNK])
+            self.admit()
         return len(deliveries)
 
     def recover(self) -> None:
