@@ -479,6 +479,10 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
                 raise RuntimeError("worker did not start: " + open(f"{logdir}/worker.log").read()[-3000:])
             time.sleep(0.2)
         with Producer.from_url(url) as producer:
+            # the same warm-up as the offline run (8 prompts, 8 tokens), through the queue
+            warm = [[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(8)]
+            producer.results(producer.submit_many([
+                {"prompt_token_ids": p, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True} for p in warm]), timeout=600)
             wall0 = time.time()
             t0 = time.monotonic()
             ids = producer.submit_many([
