@@ -13,6 +13,8 @@ directory so detokenization runs as it does for users):
   1b-queue      the 1b-fixed prompts submitted to Redis and run by `pagestream worker` (a redis-server on PATH),
                 every stream checked; beside 1b-fixed's offline figure when that ran first. The worker runs
                 its engine core in a process of its own (its default on CUDA)
+  1b-queue-reps the 1b-fixed workload and two more prompt sets, offline then through the worker, every run
+                reported, the ratio of the medians (no HF peer between them)
   1b-queue-threads the same, its results read by 8 threads of `Producer.result` (1b-queue: `Producer.results`)
   1b-queue-inproc  the same with `--no-engine-process` (engine and queue work in one process)
   1b-profile    torch profiler over 24 decode steps of 256 sequences: GPU busy/idle between steps, top kernels,
@@ -29,6 +31,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -428,12 +431,51 @@ def _scrape(port: int) -> dict[str, float]:
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] in want}
 
 
+def _queue_burst(producer, prompts, out_len, reader, metrics_port) -> dict:
+    """One timed burst: submit every prompt at once, wait for every result, check every stream."""
+    n = len(prompts)
+    wall0 = time.time()
+    t0 = time.monotonic()
+    ids = producer.submit_many([
+        {"prompt_token_ids": p, "max_tokens": out_len, "temperature": 0.0, "ignore_eos": True} for p in prompts])
+    if reader == "batch":  # as a submit_many caller waits: one blocking read for all of them
+        results = producer.results(ids, timeout=600)
+    else:  # as a service's consumers would: 8 threads, one result() per job
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda job_id: producer.result(job_id, timeout=600), ids))
+    dt = time.monotonic() - t0
+    res: dict = {"seconds": dt}
+    # where the queue's time goes: jobs reaching the engine (started_at), the last one done
+    started = sorted(r.started_at - wall0 for r in results if r.started_at is not None)
+    if started:
+        res["timeline_s"] = {"first_job_started": started[0], "median_job_started": started[len(started) // 2],
+                             "last_job_started": started[-1],
+                             "last_job_finished": max(r.finished_at for r in results) - wall0,
+                             "all_results_read": dt}
+    try:
+        res["worker_metrics"] = _scrape(metrics_port)
+    except OSError as exc:
+        res["worker_metrics"] = {"error": str(exc)}
+    exact = 0
+    for job_id, r in zip(ids, results):
+        events = list(producer.stream(job_id, timeout=30))
+        streamed = [t for ev in events for t in ev.token_ids]
+        in_order = all(ev.index == sum(len(e.token_ids) for e in events[:k]) for k, ev in enumerate(events))
+        exact += (r.status.value == "completed" and streamed == list(r.token_ids) and len(streamed) == out_len
+                  and in_order)
+    res.update({"output_tokens": sum(len(r.token_ids) for r in results), "jobs_with_complete_exact_stream": exact})
+    return res
+
+
 def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | None, engine_process: bool = True,
-              worker_args=(), reader: str = "batch") -> dict:
+              worker_args=(), reader: str = "batch", extra_prompt_sets=None) -> dict:
     """The fixed workload submitted to Redis and run by a `pagestream worker` process on this GPU;
     every job's stream is read back and checked complete and in order against its result.
     ``worker_args``: more flags for the worker (``--tensor-parallel-size 2``). ``reader``: how the
-    results are waited for, ``batch`` (``Producer.results``) or ``threads`` (8 threads of ``result``)."""
+    results are waited for, ``batch`` (``Producer.results``) or ``threads`` (8 threads of ``result``).
+    ``extra_prompt_sets``: more timed bursts after the first, one per set; the figure is then the median."""
     import shutil
     import socket
     import subprocess
@@ -483,41 +525,12 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
             warm = [[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(8)]
             producer.results(producer.submit_many([
                 {"prompt_token_ids": p, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True} for p in warm]), timeout=600)
-            wall0 = time.time()
-            t0 = time.monotonic()
-            ids = producer.submit_many([
-                {"prompt_token_ids": p, "max_tokens": out_len, "temperature": 0.0, "ignore_eos": True} for p in prompts])
-            if reader == "batch":  # as a submit_many caller waits: one blocking read for all of them
-                results = producer.results(ids, timeout=600)
-            else:  # as a service's consumers would: 8 threads, one result() per job
-                from concurrent.futures import ThreadPoolExecutor
-
-                with ThreadPoolExecutor(8) as pool:
-                    results = list(pool.map(lambda job_id: producer.result(job_id, timeout=600), ids))
-            dt = time.monotonic() - t0
-            # where the queue's time goes: jobs reaching the engine (started_at), the last one done
-            started = sorted(r.started_at - wall0 for r in results if r.started_at is not None)
-            if started:
-                res["timeline_s"] = {"first_job_started": started[0], "median_job_started": started[len(started) // 2],
-                                     "last_job_started": started[-1],
-                                     "last_job_finished": max(r.finished_at for r in results) - wall0,
-                                     "all_results_read": dt}
-            try:
-                res["worker_metrics"] = _scrape(metrics_port)
-            except OSError as exc:
-                res["worker_metrics"] = {"error": str(exc)}
-            exact = 0
-            for job_id, r in zip(ids, results):
-                events = list(producer.stream(job_id, timeout=30))
-                streamed = [t for ev in events for t in ev.token_ids]
-                in_order = all(ev.index == sum(len(e.token_ids) for e in events[:k]) for k, ev in enumerate(events))
-                exact += (r.status.value == "completed" and streamed == list(r.token_ids) and len(streamed) == out_len
-                          and in_order)
-        total = sum(len(r.token_ids) for r in results)
-        res.update({"seconds": dt, "output_tokens": total, "output_tok_s": total / dt, "req_s": n / dt,
-                    "jobs_with_complete_exact_stream": exact, "jobs": n})
+            runs = [_queue_burst(producer, ps, out_len, reader, metrics_port) for ps in [prompts, *(extra_prompt_sets or [])]]
+        res.update(runs[0] if len(runs) == 1 else {"reps": runs, "seconds": statistics.median(r["seconds"] for r in runs)})
+        total = runs[0]["output_tokens"]
+        res.update({"output_tokens": total, "output_tok_s": total / res["seconds"], "req_s": n / res["seconds"], "jobs": n})
         res["floor_s"] = floor_seconds(SHAPES[shape], n, in_len, out_len, ceil)["floor_s"]
-        res["frac_of_floor"] = res["floor_s"] / dt
+        res["frac_of_floor"] = res["floor_s"] / res["seconds"]
         if offline and "output_tok_s" in offline:
             res["offline_tok_s_same_run"] = offline["output_tok_s"]
             res["vs_offline"] = res["output_tok_s"] / offline["output_tok_s"]
@@ -529,6 +542,35 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
             worker.kill()
         redis_proc.terminate()
         res["worker_log_tail"] = open(f"{logdir}/worker.log").read()[-1500:]
+    return res
+
+
+def queue_vs_offline(shape, n, in_len, out_len, device, args, ceil, reps=3) -> dict:
+    """Offline ``LLM.generate`` and the queue-fed worker on the same ``reps`` prompt sets (the first is
+    fixed()'s), each side warmed the same way: offline first with one engine, then the worker (the GPU
+    holds one engine at a time). Every run is reported; the figure is the ratio of the medians."""
+    from pagestream.engine import SamplingParams
+
+    model_dir = model_dir_for(shape, device)
+    vocab = SHAPES[shape]["vocab_size"]
+    sets = []
+    for k in range(reps):
+        rng = random.Random(2 if k == 0 else 100 + k)
+        sets.append([[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(n)])
+    warm = [[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(8)]
+    llm = make_llm(model_dir, device, args)
+    llm.generate(prompt_token_ids=warm, sampling_params=SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    offline = [run_engine(llm, ps, [sp] * n, device)["seconds"] for ps in sets]
+    del llm
+    _free(device)
+    total = n * out_len
+    off = {"output_tok_s": total / statistics.median(offline)}
+    res = queue_fed(shape, n, in_len, out_len, device, args, ceil, off, extra_prompt_sets=sets[1:])
+    res["offline_seconds"] = offline
+    res["queue_seconds"] = [r["seconds"] for r in res.get("reps", [res])]
+    res["vs_offline_each"] = [o / q for o, q in zip(offline, res["queue_seconds"])]
+    res.pop("worker_log_tail", None)
     return res
 
 
@@ -563,6 +605,7 @@ def main():
         "8b-prefill": lambda: prefill(eight, device, args, ceil),
         "tiny-fixed": lambda: fixed("tiny", 16, 64, 32, device, args, ceil),
         "1b-queue": lambda: queue_fed(big, 256, 512, 256, device, args, ceil, res.get("1b-fixed")),
+        "1b-queue-reps": lambda: queue_vs_offline(big, 256, 512, 256, device, args, ceil),
         "1b-queue-threads": lambda: queue_fed(big, 256, 512, 256, device, args, ceil, res.get("1b-fixed"), reader="threads"),
         "1b-queue-inproc": lambda: queue_fed(big, 256, 512, 256, device, args, ceil, res.get("1b-fixed"), engine_process=False),
         "tiny-queue": lambda: queue_fed("tiny", 16, 64, 32, device, args, ceil, res.get("tiny-fixed")),
