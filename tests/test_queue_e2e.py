@@ -170,7 +170,10 @@ def test_kill9_logprobs_published_before_the_crash_stay_and_the_rerun_adds_the_r
     from pagestream.engine import SamplingParams
 
     k = 2
-    specs = [{**_spec(i, max_tokens=40), "logprobs": k} for i in range(1, 9)]
+    # 128 tokens for the same reason as the test above: with 40 the victim once finished its jobs
+    # between the poll that saw it mid-job and the kill
+    n_tokens = 128
+    specs = [{**_spec(i, max_tokens=n_tokens), "logprobs": k} for i in range(1, 9)]
     wa = workers(redis_url, tiny_llama_dir, "lp-a", "--max-num-seqs", "4", "--lease-ms", "1500")
     wb = workers(redis_url, tiny_llama_dir, "lp-b", "--max-num-seqs", "4", "--lease-ms", "1500")
     wa.wait_ready()
@@ -186,7 +189,7 @@ def test_kill9_logprobs_published_before_the_crash_stay_and_the_rerun_adds_the_r
     for s in specs:
         jid, res = s["job_id"], results[s["job_id"]]
         assert res.status == JobStatus.COMPLETED, res
-        params = SamplingParams(max_tokens=40, temperature=s["temperature"], seed=s.get("seed"), logprobs=k)
+        params = SamplingParams(max_tokens=n_tokens, temperature=s["temperature"], seed=s.get("seed"), logprobs=k)
         ref = (reference_llm.chat(s["messages"], params, use_tqdm=False) if "messages" in s
                else reference_llm.generate([s["prompt"]], params, use_tqdm=False))[0].outputs[0]
         assert res.token_ids == ref.token_ids, jid
