@@ -123,10 +123,12 @@ def run_engine(llm, prompts, params_list, device) -> dict:
     pre0 = engine.stats().num_preemptions
     waste = []
     steps = 0
+    step_ends = []
     while engine.has_unfinished_requests():
         outs = engine.step()
         steps += 1
         now = time.monotonic()
+        step_ends.append((now - t0, len(engine.scheduler.running)))
         for o in outs:
             if o.finished:
                 finals[o.request_id] = (now, o.metrics["time_to_first_token"], sum(len(c.token_ids) for c in o.outputs))
@@ -142,7 +144,7 @@ def run_engine(llm, prompts, params_list, device) -> dict:
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "max_queue_wait_s": max(ttft),
         "tpot_p50_ms": 1e3 * pct(tpot, 50), "tpot_p99_ms": 1e3 * pct(tpot, 99),
         "kv_waste_mean": sum(waste) / len(waste) if waste else 0.0,
-        "preemptions": engine.stats().num_preemptions - pre0,
+        "preemptions": engine.stats().num_preemptions - pre0, "step_ends": step_ends,
     }
 
 
@@ -446,7 +448,7 @@ def _queue_burst(producer, prompts, out_len, reader, metrics_port) -> dict:
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(lambda job_id: producer.result(job_id, timeout=600), ids))
     dt = time.monotonic() - t0
-    res: dict = {"seconds": dt}
+    res: dict = {"seconds": dt, "t0_monotonic": t0}
     # where the queue's time goes: jobs reaching the engine (started_at), the last one done
     started = sorted(r.started_at - wall0 for r in results if r.started_at is not None)
     if started:
@@ -510,7 +512,9 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     cmd += list(worker_args)
-    worker = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT)
+    trace_path = f"{logdir}/core_trace.json"
+    worker = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PAGESTREAM_CORE_TRACE": trace_path})
     res: dict = {"workload": f"{shape}: {n} x {in_len} -> {out_len}, submitted to Redis, one `pagestream worker`, "
                              f"engine core {'in a process of its own' if engine_process else 'in the worker process'}, "
                              f"results read {'by Producer.results' if reader == 'batch' else 'by 8 threads of Producer.result'}"}
@@ -541,6 +545,14 @@ def queue_fed(shape, n, in_len, out_len, device, args, ceil, offline: dict | Non
         except subprocess.TimeoutExpired:
             worker.kill()
         redis_proc.terminate()
+        if os.path.exists(trace_path):  # the core's steps and the worker's step() calls, from each burst's submit
+            trace = json.load(open(trace_path))
+            caller = json.load(open(trace_path + ".caller")) if os.path.exists(trace_path + ".caller") else []
+            for r in res.get("reps", [res]):
+                if "t0_monotonic" in r:
+                    t0 = r.pop("t0_monotonic")
+                    r["core_step_ends"] = [(t - t0, n) for t, n in trace if t0 <= t <= t0 + r["seconds"]]
+                    r["caller_steps"] = [(a - t0, b - t0, k) for a, b, k in caller if t0 <= a <= t0 + r["seconds"]]
         res["worker_log_tail"] = open(f"{logdir}/worker.log").read()[-1500:]
     return res
 
@@ -561,13 +573,15 @@ def queue_vs_offline(shape, n, in_len, out_len, device, args, ceil, reps=3) -> d
     llm = make_llm(model_dir, device, args)
     llm.generate(prompt_token_ids=warm, sampling_params=SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    offline = [run_engine(llm, ps, [sp] * n, device)["seconds"] for ps in sets]
+    offline_runs = [run_engine(llm, ps, [sp] * n, device) for ps in sets]
+    offline = [r["seconds"] for r in offline_runs]
     del llm
     _free(device)
     total = n * out_len
     off = {"output_tok_s": total / statistics.median(offline)}
     res = queue_fed(shape, n, in_len, out_len, device, args, ceil, off, extra_prompt_sets=sets[1:])
     res["offline_seconds"] = offline
+    res["offline_step_ends"] = [r["step_ends"] for r in offline_runs]
     res["queue_seconds"] = [r["seconds"] for r in res.get("reps", [res])]
     res["vs_offline_each"] = [o / q for o, q in zip(offline, res["queue_seconds"])]
     res.pop("worker_log_tail", None)

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import threading
@@ -152,6 +154,19 @@ def _core_main(conn, config: EngineConfig, log_level: int) -> None:
 
 
 def _serve(engine, conn, inbox: queue.SimpleQueue) -> None:
+    # PAGESTREAM_CORE_TRACE=path: a diagnostic for benchmarks, the end time and the sequences of every
+    # step, written as JSON when the core stops
+    trace_path = os.environ.get("PAGESTREAM_CORE_TRACE")
+    trace: list[tuple[float, int]] = []
+    try:
+        _serve_loop(engine, conn, inbox, trace if trace_path else None)
+    finally:
+        if trace_path:
+            with open(trace_path, "w") as f:
+                json.dump(trace, f)
+
+
+def _serve_loop(engine, conn, inbox: queue.SimpleQueue, trace: list | None) -> None:
     last_stats = 0.0
     while True:
         msgs = [inbox.get()] if not engine.has_unfinished_requests() else []
@@ -188,6 +203,8 @@ def _serve(engine, conn, inbox: queue.SimpleQueue) -> None:
             conn.send(("step_error", traceback.format_exc()))
             continue
         now = time.monotonic()
+        if trace is not None:
+            trace.append((now, len(engine.scheduler.running)))
         stats = None
         if now - last_stats >= _STATS_EVERY_S or not engine.has_unfinished_requests():
             stats, last_stats = engine.stats(), now
@@ -230,6 +247,10 @@ class EngineProcess:
         self._proc.start()
         child.close()
         self.tokenizer = _load_tokenizer(config.tokenizer_path)
+        # the caller's side of PAGESTREAM_CORE_TRACE (_serve): per step() call, when the core's outputs
+        # were taken, when they were turned into outputs, and how many of the core's messages they held
+        self._trace_path = os.environ.get("PAGESTREAM_CORE_TRACE")
+        self._trace: list[tuple[float, float, int]] = []
         if not self._conn.poll(start_timeout_s):
             self._kill()
             raise EngineDeadError(f"the engine core did not start within {start_timeout_s:.0f} s")
@@ -354,6 +375,7 @@ class EngineProcess:
                 msgs.append(self._outbox.get_nowait())
         except queue.Empty:
             pass
+        t_taken = time.monotonic()
         # per request touched: per sample the new token ids and their logprobs
         new: dict[int, tuple[_Live, list[list[int]], list[list | None]]] = {}
         errors: dict[int, str] = {}
@@ -419,6 +441,8 @@ class EngineProcess:
                         stop_samples.append((rid, i, live.finish[i][1]))
             if live.params.output_kind == "delta" or out.finished:
                 outputs.append(out)
+        if self._trace_path and msgs:
+            self._trace.append((t_taken, time.monotonic(), len(msgs)))
         if aborts and self._dead is None:
             self._send(("abort", aborts))
         if stop_samples and self._dead is None:
@@ -507,6 +531,9 @@ class EngineProcess:
             self._proc.join(timeout_s)
         self._kill()
         self._conn.close()
+        if self._trace_path:
+            with open(self._trace_path + ".caller", "w") as f:
+                json.dump(self._trace, f)
 
     def __enter__(self) -> "EngineProcess":
         return self
