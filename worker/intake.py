@@ -32,6 +32,8 @@ from pagestream.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
+#: how often a stepping engine with no room for another job reads the lanes (for its prefetch)
+FULL_PULL_INTERVAL_S = 0.1
 #: entries checked and admitted together when a read returns a burst
 ACCEPT_CHUNK = 32
 
@@ -65,7 +67,7 @@ class Intake:
         self.buffer: deque[ActiveJob] = deque()
         self._next_reclaim = 0.0
         self._pull_paused_until = 0.0
-        self._next_busy_pull = 0.0
+        self._last_busy_pull = 0.0
         self._pull_backoff = 0.1
 
     def capacity(self) -> int:
@@ -89,11 +91,16 @@ class Intake:
             return 0
         try:
             before()
-            stepping = self.engine.has_unfinished_requests()
-            if stepping and now < self._next_busy_pull:
-                return 0  # the engine is stepping: read the lanes at most every busy_pull_interval_ms
-            if stepping:
-                self._next_busy_pull = now + self.settings.busy_pull_interval_ms / 1000
+            if self.engine.has_unfinished_requests():
+                # The engine is stepping: read the lanes at most every busy_pull_interval_ms, and while
+                # it has no room (a read could only fill the prefetch) at most every FULL_PULL_INTERVAL_S.
+                # Each read is a few round trips on the loop thread, which wait for the GIL too.
+                interval = self.settings.busy_pull_interval_ms / 1000
+                if self.engine.num_admittable() <= 0:
+                    interval = max(interval, FULL_PULL_INTERVAL_S)
+                if now < self._last_busy_pull + interval:
+                    return 0
+                self._last_busy_pull = now
             n = self._pull(block)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if not busy:

@@ -34,6 +34,9 @@ from pagestream.worker.signals import stop_signals
 
 log = logging.getLogger(__name__)
 
+#: how often the loop looks for running jobs past their deadline (a scan of every running job)
+DEADLINE_SCAN_S = 0.05
+
 
 class Worker:
     def __init__(self, client: redis.Redis, engine: Any, settings: WorkerSettings, sink: Any = None,
@@ -53,6 +56,7 @@ class Worker:
         self._stop_requested = 0  # 1 warm, 2 cold
         self._control: ControlThread | None = None
         self._next_snapshot = 0.0
+        self._next_deadline_scan = 0.0
         self.num_steps = 0
         self.queue_time_s = 0.0  # loop time spent outside engine.step (what the queue costs)
         self.engine_time_s = 0.0
@@ -176,6 +180,10 @@ class Worker:
     def _handle_control_events(self) -> None:
         """Cancels, lost leases and deadlines, before the next step."""
         cancels, lost = self.state.take_events()
+        mono = time.monotonic()
+        if not (cancels or lost) and mono < self._next_deadline_scan:
+            return  # nothing happened, and running jobs' deadlines are looked at every DEADLINE_SCAN_S
+        self._next_deadline_scan = mono + DEADLINE_SCAN_S
         ops: list[object] = []
         now = time.time()
         for a in list(self._active.values()):
