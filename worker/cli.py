@@ -22,6 +22,8 @@ from pagestream.worker.cli_common import EXIT_REDIS_DOWN, redis_url_option, reso
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="pagestream: queue-fed LLM batch inference.")
 
 RedisUrl = redis_url_option()
+#: the worker process's GIL switch interval (``sys.setswitchinterval``; Python's default is 5 ms)
+GIL_SWITCH_INTERVAL_S = 0.001
 _url = resolve_url
 
 
@@ -134,6 +136,9 @@ def worker(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
+    # The loop thread hands the GIL over at every wait (Redis, the engine core's pipe) and must get it
+    # back from the publisher thread, which keeps it up to a whole switch interval (5 ms by default).
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     overrides = {
         "redis_url": redis_url, "model": model, "served_model_name": served_model_name, "device": device, "max_num_seqs": max_num_seqs,
         "max_model_len": max_model_len, "consumer": consumer, "lanes": lanes, "lease_ms": lease_ms,
