@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from pagestream.engine.block_manager import BlockManager
 from pagestream.engine.config import EngineConfig
+from pagestream.engine.heap import freeze_startup_heap
 from pagestream.engine.detokenizer import IncrementalDetokenizer
 from pagestream.engine.input_processor import EngineLimits, InputProcessor
 from pagestream.engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -106,6 +107,7 @@ class LLMEngine:
         # runs, each step waits for the one before it (see step()).
         self._num_history_requests = 0
         self.runner.warm_up()
+        freeze_startup_heap()
 
     @property
     def max_model_len(self) -> int:

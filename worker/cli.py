@@ -132,6 +132,7 @@ def worker(
     from pagestream.engine.errors import EngineDeadError
     from pagestream.producer.redis_conn import connect
     from pagestream.worker.settings import WorkerSettings
+    from pagestream.engine.heap import freeze_startup_heap
     from pagestream.worker.worker import Worker
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -152,6 +153,7 @@ def worker(
     engine = build_engine(settings)
     client = connect(settings.redis_url, health_check_interval=30)  # a single node or any node of a cluster
     w = Worker(client, engine, settings)
+    freeze_startup_heap()  # the engine's objects (or, with an engine process, torch's) live as long as the worker
     if metrics_port:
         w.metrics.watch_engine(engine)
         w.metrics.serve(metrics_port, metrics_host)
