@@ -12,6 +12,11 @@ from __future__ import annotations
 from pagestream.engine.sampling_params import SamplingParams
 
 
+#: tokens decoded at the end to see whether a character is unfinished (a UTF-8 character is at most
+#: 4 bytes, so at most 4 byte-fallback tokens)
+_TAIL_TOKENS = 4
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, params: SamplingParams) -> None:
         self.tokenizer = tokenizer
@@ -74,6 +79,11 @@ class IncrementalDetokenizer:
     def _flush(self) -> None:
         """At the end, a trailing partial character shows as U+FFFD, as a plain decode would."""
         if self.tokenizer is None or self.stop_reason is not None or not self.output_ids:
+            return
+        # A stream holds back only an unfinished character, which a decode of the last few tokens
+        # shows as a trailing U+FFFD; without one there is nothing to add (and no whole-output decode,
+        # ~0.1 ms a sample, to pay on the step that finishes a batch).
+        if self._stream is not None and not self._decode(self.output_ids[-_TAIL_TOKENS:]).endswith("\ufffd"):
             return
         full = self._decode(self.output_ids)
         if len(full) > len(self.text) and full.startswith(self.text):
