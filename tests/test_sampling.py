@@ -108,3 +108,31 @@ def test_top_k_one_is_greedy(llm):
     greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     k1 = llm.generate([PROMPT], SamplingParams(temperature=1.5, top_k=1, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert k1.token_ids == greedy.token_ids
+
+
+def test_streamed_text_equals_a_plain_decode_even_when_the_output_ends_mid_character(smollm2_dir):
+    # what a subscriber joins from the deltas, and the final text, are the tokenizer's own decode of
+    # the tokens: also when the last tokens are bytes of a character the output never finished
+    import random
+
+    from transformers import AutoTokenizer
+
+    from pagestream.engine.detokenizer import IncrementalDetokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    lead = tok.convert_tokens_to_ids("â")  # the byte 0xE2, which starts a 3-byte character
+    rng = random.Random(0)
+    cut = 0
+    for i in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        if i % 2:
+            ids += [lead] * rng.randrange(1, 3)
+        detok = IncrementalDetokenizer(tok, SamplingParams(max_tokens=64, output_kind="delta"))
+        streamed = ""
+        for t in ids:
+            detok.add_token(t)
+            streamed += detok.take_delta(False)
+        streamed += detok.take_delta(True)
+        assert streamed == tok.decode(ids, skip_special_tokens=True), ids
+        cut += streamed.endswith("\ufffd")
+    assert cut >= 150  # the unfinished endings were exercised
