@@ -14,7 +14,7 @@ the last entry it delivered.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,6 +227,17 @@ def live_models_call(now_s: float | None = None) -> Call:
     return Call("zrangebyscore", (keys.model_registry(), now_ms, "+inf"))
 
 
+def _block_ms(deadline: float | None, timed_out: Callable[[], str]) -> int:
+    """How long a blocking read may wait (1 s at most, less as ``deadline`` nears); ``TimeoutError``
+    saying ``timed_out()`` once it has passed."""
+    if deadline is None:
+        return 1000
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(timed_out())
+    return max(1, min(1000, int(left * 1000)))
+
+
 class ProducerCore:
     """State shared by one producer's operations: the served-model cache and the reconnect policy."""
 
@@ -336,8 +347,10 @@ class ProducerCore:
 
     # -- reads -------------------------------------------------------------------------------
 
-    def _read(self, call: Call, what: str, patient: bool = True) -> Steps:
+    def _read(self, call: Call | list[Call], what: str, patient: bool = True) -> Steps:
         """Perform a read, backing off and retrying on connection errors up to ``reconnect_timeout_s``.
+        A list of read-only calls goes in one pipelined round trip (built afresh for each try:
+        redis-py empties a pipeline whether its execute succeeded or not).
 
         Not ``patient`` (an operation that has not reached Redis yet): the first failure is final,
         so a command pointed at a Redis that is down says so at once instead of waiting it out.
@@ -346,7 +359,13 @@ class ProducerCore:
         failures = 0
         give_up = time.monotonic() + self.reconnect_timeout_s
         while True:
-            reply = yield call
+            if isinstance(call, list):
+                pipe = yield Call("pipeline", kwargs={"transaction": False})
+                for c in call:
+                    yield Call(c.method, c.args, c.kwargs, on=pipe)
+                reply = yield Call("execute", on=pipe, retry=True)
+            else:
+                reply = yield call
             if not isinstance(reply, Failed):
                 return reply
             if not patient:
@@ -392,38 +411,13 @@ class ProducerCore:
                 return JobResult.model_validate_json(raw)
             if st is None:
                 raise JobNotFound(job_id)
-            block_ms = 1000
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"job {job_id} not finished after {timeout} s (status {_s(st)})")
-                block_ms = max(1, min(block_ms, int(left * 1000)))
+            block_ms = _block_ms(deadline, lambda: f"job {job_id} not finished after {timeout} s (status {_s(st)})")
             # Wake as soon as the worker writes anything to the job's stream; the end entry
             # and the result are written in one transaction (re-checked on the next turn).
             resp = yield from self._read(Call("xread", ({out_key: last},), {"count": 1000, "block": block_ms}, retry=True), what)
             for _, entries in resp or []:
                 if entries:
                     last = _s(entries[-1][0])
-
-    def _read_pipelined(self, calls: list[Call], what: str, patient: bool = True) -> Steps:
-        """``_read`` for several read-only commands in one round trip (a fresh pipeline per try:
-        redis-py empties a pipeline whether its execute succeeded or not)."""
-        backoff = ExponentialBackoff(cap=2.0, base=0.05)
-        failures = 0
-        give_up = time.monotonic() + self.reconnect_timeout_s
-        while True:
-            pipe = yield Call("pipeline", kwargs={"transaction": False})
-            for c in calls:
-                yield Call(c.method, c.args, c.kwargs, on=pipe)
-            reply = yield Call("execute", on=pipe, retry=True)
-            if not isinstance(reply, Failed):
-                return reply
-            if not patient:
-                raise redis.ConnectionError(f"cannot reach Redis while {what}: {reply.error}") from reply.error
-            if time.monotonic() > give_up:
-                raise redis.ConnectionError(f"Redis unreachable for {self.reconnect_timeout_s} s while {what}") from reply.error
-            failures += 1
-            yield Sleep(backoff.compute(failures))
 
     def results(self, job_ids: list[str], timeout: float | None) -> Steps:
         """``result`` for many jobs at once, in the order of ``job_ids``.
@@ -453,12 +447,12 @@ class ProducerCore:
                 # Note each stream's newest entry before reading its result (the reason is in ``result``).
                 fresh = [j for j in check if j not in last]
                 if fresh:
-                    newest = yield from self._read_pipelined(
+                    newest = yield from self._read(
                         [Call("xrevrange", (stream_of[j],), {"count": 1}) for j in fresh], what, reached)
                     reached = True
                     for j, entries in zip(fresh, newest):
                         last[j] = _s(entries[0][0]) if entries else "0-0"
-                rows = yield from self._read_pipelined(
+                rows = yield from self._read(
                     [Call("hmget", (keys.job_hash(j), ["result", "status"])) for j in check], what)
                 for j, (raw, st) in zip(check, rows):
                     if raw is not None:
@@ -468,12 +462,7 @@ class ProducerCore:
                         raise JobNotFound(j)
             if not last:
                 return [got[j] for j in job_ids]
-            block_ms = 1000
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{len(last)} of {len(unique)} jobs not finished after {timeout} s")
-                block_ms = max(1, min(block_ms, int(left * 1000)))
+            block_ms = _block_ms(deadline, lambda: f"{len(last)} of {len(unique)} jobs not finished after {timeout} s")
             resp = yield from self._read(Call("xread", ({stream_of[j]: i for j, i in last.items()},),
                                               {"count": 1000, "block": block_ms}, retry=True), what)
             if not resp:
