@@ -158,6 +158,16 @@ def test_paged_decode_attention(ratio, head_dim, block_size, dtype, num_splits):
     assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_decode_attention_program_order_does_not_change_the_result(num_splits):
+    # the grid runs KV heads first by default (cache locality); sequences first must give the same numbers
+    q, kc, vc, bt, _, ctx = make_paged([1, 17, 40, 300, 129], [1] * 5, 8, 2, 64, 16, torch.float32, 11)
+    outs = [kernels.paged_decode_attention(q, kc, vc, bt, ctx, 0.125, num_splits=num_splits, heads_first=hf)
+            for hf in (True, False)]
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[0], R.paged_decode_attention(q, kc, vc, bt, ctx, 0.125), torch.float32)
+
+
 def test_padding_rows_with_empty_context_give_zeros():
     # CUDA-graph batches are padded with rows of context_len 0 (and garbage block tables)
     q, kc, vc, bt, cu, ctx = make_paged([40, 7], [1, 1], 8, 2, 64, 16, torch.float32, seed=5)
