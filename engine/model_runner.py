@@ -52,6 +52,11 @@ def _spread(num_tokens: int, num_seqs: int) -> list[int]:
     return [q_len + 1] * extra + [q_len] * (num_seqs - extra)
 
 
+def batch_buckets(max_size: int) -> list[int]:
+    """Batch sizes a step is padded up to: the decode graphs' sizes, and the LM head's row counts."""
+    return sorted({s for s in [1, 2, 4, 8, *range(16, max_size + 1, 16), max_size] if s <= max_size})
+
+
 def _same_views(dst: torch.Tensor, src: torch.Tensor, *views: torch.Tensor) -> list[torch.Tensor]:
     """The views of ``src`` carried over to ``dst``, a copy of it (same offsets and sizes)."""
     base = src.data_ptr()
@@ -66,7 +71,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [num_sample] int64, rows of the hidden states to sample from
+    # [num_sample, or its bucket] int64: rows of the hidden states the LM head runs on; the first
+    # len(sample_seqs) are sampled, the rest repeat the last (ModelRunner.sample_buckets)
+    sample_rows: torch.Tensor
     sample_seqs: list[Sequence]
 
 
@@ -185,6 +192,10 @@ class ModelRunner:
             attn.v_cache = self.kv_cache[1, i]
         self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
         self.input_batch = InputBatch(config.max_num_seqs, -(-config.max_model_len // self.block_size), self.block_size)
+        # On CUDA the LM head runs on a bucketed number of rows, each bucket warmed at start-up: cuBLAS
+        # sets up each new matmul shape on first use, 4-5 ms on the H200 (bench/decode_probe.py), which
+        # a batch's last steps paid once for every count of samples still running.
+        self.sample_buckets = batch_buckets(config.max_num_seqs) if self.device.type == "cuda" else []
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs()
@@ -265,7 +276,7 @@ class ModelRunner:
         """
         cfg = self.config
         max_bs = min(cfg.max_num_seqs, 512)
-        sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs] if s <= max_bs})
+        sizes = batch_buckets(max_bs)
         budget = cfg.max_num_batched_tokens
         # Token-count buckets for mixed steps, finer where padding would cost most (small steps
         # are weight-bound; a padded token is compute, and up to 2x at power-of-two buckets).
@@ -367,11 +378,17 @@ class ModelRunner:
         """
         lay = self.input_batch.layout(sched.num_scheduled_tokens, prev.rows if prev is not None else {})
         n_seq, width = lay.block_tables.shape
+        sample_rows = lay.sample_rows
+        if self.sample_buckets and len(sample_rows):
+            n = len(sample_rows)
+            bucket = next((b for b in self.sample_buckets if b >= n), n)
+            if bucket > n:
+                sample_rows = np.concatenate([sample_rows, np.full(bucket - n, sample_rows[-1], dtype=np.int64)])
         pin = self.device.type == "cuda"
         # Each segment starts on a 64-byte boundary: Triton specialises kernels on 16-byte
         # pointer alignment, so a misaligned view would compile (and run) another variant.
         longs, (ids, pos, slots, rows, dst, src) = _packed(
-            torch.long, pin, lay.input_ids, lay.positions, lay.slot_mapping, lay.sample_rows, lay.gather_dst,
+            torch.long, pin, lay.input_ids, lay.positions, lay.slot_mapping, sample_rows, lay.gather_dst,
             lay.gather_src)
         ints, (ctx, cu, bt) = _packed(torch.int32, pin, lay.context_lens, lay.cu_seqlens_q, n_seq * width)
         bt.numpy().reshape(n_seq, width)[:] = lay.block_tables
@@ -420,7 +437,8 @@ class ModelRunner:
         hidden = self._forward(inp)
         if not inp.sample_seqs:
             return StepHandle([], {}, None, None)
-        logits = self.model.compute_logits(hidden.index_select(0, inp.sample_rows))  # [num_sample, vocab]
+        # [num_sample, vocab]: the rows past num_sample only pad the matmul to its bucket
+        logits = self.model.compute_logits(hidden.index_select(0, inp.sample_rows))[: len(inp.sample_seqs)]
         sampled = self.sampler(logits, inp.sample_seqs)
         return StepHandle(inp.sample_seqs, {s: i for i, s in enumerate(inp.sample_seqs)}, sampled.token_ids,
                           sampled.to_host())
@@ -444,10 +462,11 @@ class ModelRunner:
             self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
 
     @torch.inference_mode()
-    def _dummy_forward(self, num_tokens: int, num_seqs: int) -> None:
+    def _dummy_forward(self, num_tokens: int, num_seqs: int, logit_rows: list[int] | None = None) -> None:
         """A throw-away step over the real pool: ``num_seqs`` fresh prompts sharing
         ``num_tokens`` query tokens (decode rows when they are equal). It stores
-        nothing (slot -1) and reads whatever the blocks hold."""
+        nothing (slot -1) and reads whatever the blocks hold. The LM head and an argmax
+        run on the first n sampled rows for each n of ``logit_rows`` (default: all of them)."""
         dev, bs = self.device, self.block_size
         # no sequence longer than the model allows (positions index the rope cache / learned table)
         num_seqs = max(num_seqs, -(-num_tokens // (self.config.max_model_len - 1)))
@@ -467,7 +486,8 @@ class ModelRunner:
         pos = torch.cat([torch.arange(n, device=dev) for n in q_lens])
         hidden = self.model(ids, pos, meta, self.cos_sin_cache)
         rows = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.long, device=dev)
-        self.model.compute_logits(hidden.index_select(0, rows)).float().argmax(dim=-1)
+        for n in logit_rows or [len(rows)]:
+            self.model.compute_logits(hidden.index_select(0, rows[:n])).float().argmax(dim=-1)
 
     def warm_up(self) -> None:
         """Run, at start-up, the eager forms of what a step can meet (steps no graph
@@ -498,4 +518,7 @@ class ModelRunner:
         for num_tokens, num_seqs in sorted(shapes):
             if num_tokens >= num_seqs >= 1:
                 self._dummy_forward(num_tokens, num_seqs)
+        if self.sample_buckets:  # every row count the LM head meets (see prepare)
+            rows = self.sample_buckets[-1]
+            self._dummy_forward(rows, rows, logit_rows=self.sample_buckets)
         torch.cuda.synchronize(self.device)

@@ -81,3 +81,25 @@ def test_a_request_aborted_with_a_step_in_flight_gets_no_more_tokens(tiny_llama_
     assert [(o.request_id, o.finished) for o in after if o.request_id == "a"] == [("a", True)]
     assert sum(len(o.outputs[0].token_ids) for o in after if o.request_id == "b") + seen["b"] == 6
     assert engine.stats().num_free_blocks == 64
+
+
+def test_the_lm_head_on_bucketed_row_counts_changes_no_output(tiny_llama_dir):
+    # On CUDA the LM head runs on a bucketed number of rows (each bucket's matmul set up at start-up);
+    # the padding rows must never reach a sample. Forced on here, on the CPU.
+    from pagestream.engine.model_runner import batch_buckets
+
+    plain, _ = run(tiny_llama_dir, True, mixed_params(), num_kv_blocks=256)
+    llm = LLM(tiny_llama_dir, device="cpu", num_kv_blocks=256)
+    runner = llm.llm_engine.runner
+    runner.sample_buckets = batch_buckets(llm.llm_engine.config.max_num_seqs)
+    head_rows, sampled_rows = [], []
+    head, sampler = runner.model.compute_logits, runner.sampler
+    runner.model.compute_logits = lambda h: (head_rows.append(h.shape[0]), head(h))[1]
+    runner.sampler = lambda logits, seqs: (sampled_rows.append((logits.shape[0], len(seqs))), sampler(logits, seqs))[1]
+    params = mixed_params()
+    outs = llm.generate(PROMPTS, [params[i % len(params)] for i in range(len(PROMPTS))], use_tqdm=False)
+    padded = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs] for o in outs]
+    assert set(head_rows) <= set(runner.sample_buckets)
+    assert all(n_logits == n_seqs for n_logits, n_seqs in sampled_rows)  # the sampler sees real rows only
+    assert any(n not in runner.sample_buckets for _, n in sampled_rows)  # some step really was padded
+    assert_same(padded, plain)
