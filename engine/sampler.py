@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagestream.engine.layers.ops import kernel_ops
 from pagestream.engine.sequence import Sequence
 
 
@@ -95,7 +96,7 @@ class Sampler:
         if self._plain_greedy(seqs):
             # Greedy only: argmax in the model's dtype picks the same token as in fp32 (the
             # conversion is exact and keeps order), without an fp32 copy of every row's logits.
-            return DeviceSample(logits[:, : self.vocab_size].argmax(dim=-1), [None] * len(seqs))
+            return DeviceSample(kernel_ops(logits.device).argmax(logits[:, : self.vocab_size]), [None] * len(seqs))
         params = [s.params for s in seqs]
         logprob_k = [p.logprobs for p in params]
         want_logprobs = any(k is not None for k in logprob_k)

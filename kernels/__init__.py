@@ -1,6 +1,6 @@
 """Triton kernels for the paged-KV engine, each with a torch reference in `kernels.reference`.
 
-    from pagestream.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache, rms_norm, rotary_embedding, silu_and_mul
+    from pagestream.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache, rms_norm, rotary_embedding, silu_and_mul, argmax
 
 These names are the Triton wrappers (CUDA tensors; CPU only under
 TRITON_INTERPRET=1); `kernels.reference` holds the same functions in plain
@@ -16,6 +16,7 @@ import torch
 
 # Imported eagerly, after which each name below is the function and no longer
 # the submodule of the same name (`kernels.rms_norm` is callable).
+from pagestream.kernels.argmax import argmax
 from pagestream.kernels.paged_decode_attention import paged_decode_attention
 from pagestream.kernels.paged_prefill_attention import paged_mixed_attention, paged_prefill_attention
 from pagestream.kernels.rms_norm import rms_norm
@@ -32,6 +33,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "argmax",
 ]
 
 

@@ -166,6 +166,10 @@ def paged_prefill_attention(
 paged_mixed_attention = paged_prefill_attention
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, V] -> [rows] int64, the first index of each row's max
+    return x.argmax(dim=-1)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

@@ -261,6 +261,24 @@ def test_store_kvcache(dtype, num_kv_heads, head_dim, block_size, index_dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab,chunk", [(1000, 8192), (1000, 128), (5003, 512)])
+def test_argmax_picks_torchs_index_ties_and_nan_included(dtype, vocab, chunk):
+    # greedy sampling's token: the first index of the row's maximum, also when the tie spans chunks
+    g = torch.Generator().manual_seed(vocab + chunk)
+    x = torch.randn(9, vocab, generator=g).to(dtype)
+    x[1, [3, min(chunk, vocab - 2) + 1, vocab - 1]] = 7.0  # a tie across chunks: the first wins
+    x[2, vocab - 1] = 9.0  # the max in the last, partial chunk
+    x[3] = float("-inf")  # nothing allowed: index 0, as torch
+    x[4, [17, 40]] = float("nan")  # NaN counts as the largest, as torch
+    x[5, :] = 0.5  # all equal
+    x = x.to(DEV)
+    padded = torch.zeros(9, vocab + 5, dtype=dtype, device=DEV)
+    padded[:, :vocab] = x  # a view with a row stride wider than the row, like logits of a padded vocabulary
+    for rows in (x, padded[:, :vocab]):
+        assert torch.equal(kernels.argmax(rows, chunk=chunk), R.argmax(rows))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 1000, 5000])
 def test_silu_and_mul_equals_torch_elementwise(dtype, d):
     g = torch.Generator().manual_seed(d)
