@@ -264,9 +264,6 @@ class LLMEngine:
 
     def _outputs(self, reqs) -> list[RequestOutput]:
         """The outputs of requests that made tokens this step (final ones only once finished)."""
-        reqs = list(reqs)
-        IncrementalDetokenizer.decode_finished(
-            [d for req in reqs if req.params.output_kind == "final" and req.finished for d in req.detoks])
         outputs = []
         for req in reqs:
             if req.params.output_kind == "final" and not req.finished:
