@@ -1,14 +1,21 @@
 """Where the 1B decode and prefill steps lose time against their floors, on the H200, in one call.
 
-    . bench/device_env.sh && python3 bench/decode_probe.py --out $OUT
+    . bench/device_env.sh && python3 bench/decode_probe.py --out $OUT [--skip tail,first_use,...]
 
-1. Kernel time by name over the prefill steps of the 1b-fixed workload (256 x 512 tokens) and over
-   decode steps of 256 sequences at ~600-token contexts (torch profiler; graphs replayed as the engine does).
-2. The paged decode kernel on the engine's own block tables and context lengths (taken from the runner's
-   graph buffers after a decode step) and on synthetic tables, for tile, warp, stage, split and
-   program-order variants: 16 calls (one per layer's cache) captured in a CUDA graph, GB/s of K/V read.
-3. Each projection's matmul at M=256 (a decode step) and M=16384 (a prefill step), cuBLAS against
-   cuBLASLt, in TFLOP/s beside the measured bf16 rate F.
+Sections (each reported in decode_probe.json; one failing does not stop the others):
+- tail: the last steps of a batch, where samples finish 32 at a time (per step, per phase).
+- first_use: what the first decode step at a new batch size pays (the LM head's matmul at a new row
+  count, a graph's first replay).
+- engine: kernel time by name over the prefill steps of the 1b-fixed workload (256 x 512 tokens) and over
+  decode steps of 256 sequences at ~600-token contexts (torch profiler; graphs replayed as the engine does);
+  then the paged decode kernel on the engine's own block tables and context lengths (taken from the
+  runner's graph buffers) and on synthetic tables, for tile, warp, stage, split and program-order variants:
+  16 calls (one per layer's cache) captured in a CUDA graph, TB/s of K/V read.
+- prefill_attention: one 1B prefill step's attention (32 x 512 tokens, head_dim 64) per tile config, beside
+  flash SDPA.
+- small_m: a split-K Triton matmul against cuBLAS at M=256 for each projection.
+- argmax: torch's argmax against kernels.argmax over [256, 128256] bf16 logits.
+- matmul: each projection at M=256 and M=16384, cuBLAS against cuBLASLt, beside the measured bf16 rate F.
 """
 from __future__ import annotations
 
@@ -61,24 +68,6 @@ def _sum_splits(p_ptr, c_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
     tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-@triton.jit
-def _chunk_argmax(x_ptr, vals_ptr, idx_ptr, V, stride_x, CHUNK: tl.constexpr, NCHUNK: tl.constexpr):
-    row = tl.program_id(0)
-    c = tl.program_id(1)
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    v, i = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(vals_ptr + row * NCHUNK + c, v)
-    tl.store(idx_ptr + row * NCHUNK + c, i + c * CHUNK)
-
-@triton.jit
-def _final(vals_ptr, idx_ptr, out_ptr, NCHUNK: tl.constexpr, NPAD: tl.constexpr):
-    row = tl.program_id(0)
-    offs = tl.arange(0, NPAD)
-    v = tl.load(vals_ptr + row * NCHUNK + offs, mask=offs < NCHUNK, other=float("-inf"))
-    _, j = tl.max(v, 0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(out_ptr + row, tl.load(idx_ptr + row * NCHUNK + j))
 
 def log(*a):
     print(*a, flush=True)
@@ -346,7 +335,9 @@ def small_m_section(res, flops):
 
 
 def argmax_section(res):
-    """Greedy sampling's argmax over [256, 128256] bf16 logits: torch against a two-pass Triton argmax."""
+    """Greedy sampling's argmax over [256, 128256] bf16 logits: torch against kernels.argmax at three chunk sizes."""
+    from pagestream.kernels.argmax import argmax
+
     x = torch.randn(256, 128256, dtype=torch.bfloat16, device="cuda")
     x[:, 5000] = 10
     x[:, 7000] = 10  # a tie: the first index wins
@@ -355,19 +346,9 @@ def argmax_section(res):
     ms = graph_time_ms(lambda: [x.argmax(-1) for _ in range(reps)]) / reps
     rows.append({"impl": "torch", "us": 1e3 * ms})
     for chunk in (2048, 4096, 8192):
-        nch = triton.cdiv(128256, chunk)
-        vals = torch.empty(256, nch, dtype=torch.float32, device="cuda")
-        idx = torch.empty(256, nch, dtype=torch.int64, device="cuda")
-        out = torch.empty(256, dtype=torch.int64, device="cuda")
-
-        def fn(chunk=chunk, nch=nch, vals=vals, idx=idx, out=out):
-            _chunk_argmax[(256, nch)](x, vals, idx, 128256, x.stride(0), CHUNK=chunk, NCHUNK=nch, num_warps=8)
-            _final[(256,)](vals, idx, out, NCHUNK=nch, NPAD=triton.next_power_of_2(nch), num_warps=1)
-            return out
-
-        ok = bool(torch.equal(fn(), x.argmax(-1)))
-        ms = graph_time_ms(lambda fn=fn: [fn() for _ in range(reps)]) / reps
-        rows.append({"impl": "triton_two_pass", "chunk": chunk, "us": 1e3 * ms, "equal_to_torch": ok})
+        ok = bool(torch.equal(argmax(x, chunk=chunk), x.argmax(-1)))
+        ms = graph_time_ms(lambda chunk=chunk: [argmax(x, chunk=chunk) for _ in range(reps)]) / reps
+        rows.append({"impl": "kernels.argmax", "chunk": chunk, "us": 1e3 * ms, "equal_to_torch": ok})
     for r in rows:
         log(json.dumps(r))
     res["argmax"] = rows
@@ -410,14 +391,13 @@ def first_use_section(res):
     del llm
 
 
-def tail_section(res):
+def tail_section(res, out_tokens: int):
     """The last steps of a batch, where its samples finish 32 at a time: wall time per step in three
-    passes over fresh prompts (the second under cProfile, the third under the torch profiler)."""
+    passes over fresh prompts of 512 tokens (the second under cProfile, the third with a timer around each
+    phase of the step). Session 18's call 6 ran a torch-profiler pass in place of the timers."""
     import cProfile
-    import pstats
     import io
-
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    import pstats
 
     from pagestream.engine import LLM, SamplingParams
 
@@ -457,12 +437,11 @@ def tail_section(res):
             wrap(engine, "_outputs", "outputs")
             wrap(sampler_mod.HostSample, "wait", "wait_device")
             wrap(engine_mod.IncrementalDetokenizer, "take_delta", "take_delta")
-        sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, output_kind="final")
+        sp = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True, output_kind="final")
         for i in range(256):
             engine.add_request(f"t{p}-{i}", prompt_token_ids=[rng.randrange(3, vocab) for _ in range(512)], params=sp)
         steps = []
         prof = cProfile.Profile() if p == 1 else None
-        tp = None
         started = False
         while engine.has_unfinished_requests():
             n = len(engine.scheduler.running)
@@ -470,8 +449,6 @@ def tail_section(res):
                 started = True
                 if prof:
                     prof.enable()
-                if tp:
-                    tp.__enter__()
             acc.clear()
             t = time.perf_counter()
             engine.step()
@@ -483,26 +460,20 @@ def tail_section(res):
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
             res["tail_cprofile"] = buf.getvalue()[-6000:]
             log(res["tail_cprofile"])
-        if tp:
-            tp.__exit__(None, None, None)
-            cpu = {}
-            for e in tp.events():
-                if e.device_type == torch.autograd.DeviceType.CPU:
-                    cpu[e.name] = cpu.get(e.name, 0.0) + e.self_cpu_time_total / 1e3
-            res["tail_torch_cpu_top_ms"] = dict(sorted(cpu.items(), key=lambda kv: -kv[1])[:25])
-            res["tail_kernels"] = kernel_times(tp, 1)
-            log(json.dumps(res["tail_torch_cpu_top_ms"], indent=1))
-            log(json.dumps(res["tail_kernels"], indent=1))
         out.append([(n, round(ms, 2), ph) for n, ms, ph in steps[-12:]])
         log("pass", p, out[-1])
     res["tail_steps"] = out
     del llm
 
 
+SECTIONS = ("tail", "first_use", "engine", "prefill_attention", "small_m", "argmax", "matmul")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    ap.add_argument("--skip", default="")
+    ap.add_argument("--skip", default="", help="sections to leave out, comma-separated: " + ", ".join(SECTIONS))
+    ap.add_argument("--tail-tokens", type=int, default=48, help="output tokens per prompt in the tail section")
     args = ap.parse_args()
     res = {"argv": sys.argv, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     ceil = ceilings(torch.device("cuda"))
@@ -513,35 +484,17 @@ def main():
         with open(os.path.join(args.out, "decode_probe.json"), "w") as f:
             json.dump(res, f, indent=1)
 
-    if "tail" not in args.skip:
-        try:
-            tail_section(res)
-        except Exception:  # noqa: BLE001
-            res["tail_error"] = traceback.format_exc()[-3000:]
-            log(res["tail_error"])
+    def engine_and_attention():
+        llm, bt, ctx, caches = engine_section(args, res)
         save()
-        torch.cuda.empty_cache()
-    if "first_use" not in args.skip:
-        try:
-            first_use_section(res)
-        except Exception:  # noqa: BLE001
-            res["first_use_error"] = traceback.format_exc()[-3000:]
-            log(res["first_use_error"])
-        save()
-        torch.cuda.empty_cache()
-    if "engine" not in args.skip:
-        try:
-            llm, bt, ctx, caches = engine_section(args, res)
-            save()
-            attention_section(args, res, bt, ctx, caches, ceil["bw"])
-            del llm
-        except Exception:  # noqa: BLE001
-            res["engine_error"] = traceback.format_exc()[-3000:]
-            log(res["engine_error"])
-    save()
-    torch.cuda.empty_cache()
-    for name, fn in (("prefill_attention", lambda: prefill_attention_section(res)),
-                     ("small_m", lambda: small_m_section(res, ceil["flops"])), ("argmax", lambda: argmax_section(res))):
+        attention_section(args, res, bt, ctx, caches, ceil["bw"])
+        del llm, caches
+
+    sections = (("tail", lambda: tail_section(res, args.tail_tokens)), ("first_use", lambda: first_use_section(res)),
+                ("engine", engine_and_attention), ("prefill_attention", lambda: prefill_attention_section(res)),
+                ("small_m", lambda: small_m_section(res, ceil["flops"])), ("argmax", lambda: argmax_section(res)),
+                ("matmul", lambda: matmul_section(res, ceil["flops"])))
+    for name, fn in sections:
         if name in args.skip:
             continue
         try:
@@ -550,13 +503,7 @@ def main():
             res[name + "_error"] = traceback.format_exc()[-3000:]
             log(res[name + "_error"])
         save()
-    if "matmul" not in args.skip:
-        try:
-            matmul_section(res, ceil["flops"])
-        except Exception:  # noqa: BLE001
-            res["matmul_error"] = traceback.format_exc()[-3000:]
-            log(res["matmul_error"])
-    save()
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
