@@ -158,3 +158,45 @@ def test_final_texts_are_each_a_plain_decode_with_or_without_special_tokens(smol
             d.add_token(t)
         assert d.take_delta(False) == ""  # nothing before the end
         assert d.take_delta(True) == tok.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_generate_decodes_final_texts_beside_the_loop_and_each_is_a_plain_decode(llm):
+    # LLM.generate's whole texts are decoded on a thread (a batch's samples finish together); each is
+    # still exactly tokenizer.decode of its tokens, special tokens kept or skipped as asked
+    engine = llm.llm_engine
+    assert engine._texts_off_loop  # SmolLM2's tokenizer decodes in its Rust backend
+    kinds = [SamplingParams(temperature=0.8, seed=4, max_tokens=20),
+             SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, skip_special_tokens=False)]
+    params = [kinds[i % 2] for i in range(1 + len(OTHERS))]
+    outs = llm.generate([PROMPT] + OTHERS, params, use_tqdm=False)
+    for o, p in zip(outs, params):
+        for c in o.outputs:
+            assert c.text == engine.tokenizer.decode(c.token_ids, skip_special_tokens=p.skip_special_tokens)
+    assert engine._text_pool is not None and not engine._pending_texts
+
+
+def test_a_finished_request_whose_text_is_still_decoding_cannot_be_aborted_and_its_output_comes(llm, monkeypatch):
+    import threading
+
+    from pagestream.engine import llm_engine as engine_module
+
+    engine = llm.llm_engine
+    gate = threading.Event()
+    real = engine_module.decode_finished
+    monkeypatch.setattr(engine_module, "decode_finished", lambda backend, detoks: (gate.wait(10), real(backend, detoks))[1])
+    engine.add_request("held", prompt=PROMPT, params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                                      output_kind="final"))
+    engine.add_request("busy", prompt=OTHERS[0], params=SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    outs = []
+    for _ in range(20):
+        outs += [o for o in engine.step() if o.request_id == "held"]
+        if engine._pending_texts:
+            break
+    assert engine._pending_texts and not outs  # finished, its text not decoded yet: no output so far
+    assert engine.abort_request("held") is False
+    gate.set()
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == "held"]
+    (out,) = outs
+    assert out.finished and out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 3
+    assert out.outputs[0].text == engine.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
