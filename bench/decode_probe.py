@@ -20,6 +20,7 @@ Sections (each reported in decode_probe.json; one failing does not stop the othe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -33,6 +34,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_engine import ceilings  # noqa: E402
+from phase_timers import timed_methods  # noqa: E402
 from throughput import SHAPES, model_dir_for  # noqa: E402
 
 
@@ -408,60 +410,45 @@ def tail_section(res, out_tokens: int):
     vocab = SHAPES["llama-3.2-1b"]["vocab_size"]
     out = []
     acc: dict[str, float] = {}
-
-    def wrap(obj, name, key):
-        fn = getattr(obj, name)
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[key] = acc.get(key, 0.0) + 1e3 * (time.perf_counter() - t)
-        setattr(obj, name, timed)
-
     from pagestream.engine import sampler as sampler_mod
     from pagestream.engine import llm_engine as engine_mod
 
-    for p in range(3):
-        if p == 2:  # per-phase timers on the last pass
-            wrap(engine.scheduler, "schedule", "schedule")
-            wrap(engine.scheduler, "update_from_output", "update")
-            wrap(engine.scheduler, "append_tokens", "append_tokens")
-            wrap(engine.scheduler, "finish", "finish")
-            wrap(engine.block_manager, "free", "free")
-            wrap(engine.runner, "execute", "execute")
-            wrap(engine.runner, "prepare", "prepare")
-            wrap(engine.runner, "release_rows", "release_rows")
-            wrap(engine, "_read_tokens", "read_tokens")
-            wrap(engine, "_outputs", "outputs")
-            wrap(sampler_mod.HostSample, "wait", "wait_device")
-            wrap(engine_mod.IncrementalDetokenizer, "take_delta", "take_delta")
-        sp = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True, output_kind="final")
-        for i in range(256):
-            engine.add_request(f"t{p}-{i}", prompt_token_ids=[rng.randrange(3, vocab) for _ in range(512)], params=sp)
-        steps = []
-        prof = cProfile.Profile() if p == 1 else None
-        started = False
-        while engine.has_unfinished_requests():
-            n = len(engine.scheduler.running)
-            if n < 256 and len(steps) > 20 and not started:
-                started = True
-                if prof:
-                    prof.enable()
-            acc.clear()
-            t = time.perf_counter()
-            engine.step()
-            steps.append((n, 1e3 * (time.perf_counter() - t), {k: round(v, 2) for k, v in acc.items()}))
-        torch.cuda.synchronize()
-        if prof:
-            prof.disable()
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-            res["tail_cprofile"] = buf.getvalue()[-6000:]
-            log(res["tail_cprofile"])
-        out.append([(n, round(ms, 2), ph) for n, ms, ph in steps[-12:]])
-        log("pass", p, out[-1])
+    with contextlib.ExitStack() as timers:  # the timers come off even if a pass fails
+        for p in range(3):
+            if p == 2:  # per-phase timers on the last pass
+                timers.enter_context(timed_methods(acc, [
+                    (engine.scheduler, "schedule", "schedule"), (engine.scheduler, "update_from_output", "update"),
+                    (engine.scheduler, "append_tokens", "append_tokens"), (engine.scheduler, "finish", "finish"),
+                    (engine.block_manager, "free", "free"), (engine.runner, "execute", "execute"),
+                    (engine.runner, "prepare", "prepare"), (engine.runner, "release_rows", "release_rows"),
+                    (engine, "_read_tokens", "read_tokens"), (engine, "_outputs", "outputs"),
+                    (sampler_mod.HostSample, "wait", "wait_device"),
+                    (engine_mod.IncrementalDetokenizer, "take_delta", "take_delta")]))
+            sp = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True, output_kind="final")
+            for i in range(256):
+                engine.add_request(f"t{p}-{i}", prompt_token_ids=[rng.randrange(3, vocab) for _ in range(512)], params=sp)
+            steps = []
+            prof = cProfile.Profile() if p == 1 else None
+            started = False
+            while engine.has_unfinished_requests():
+                n = len(engine.scheduler.running)
+                if n < 256 and len(steps) > 20 and not started:
+                    started = True
+                    if prof:
+                        prof.enable()
+                acc.clear()
+                t = time.perf_counter()
+                engine.step()
+                steps.append((n, 1e3 * (time.perf_counter() - t), {k: round(1e3 * v, 2) for k, v in acc.items()}))
+            torch.cuda.synchronize()
+            if prof:
+                prof.disable()
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+                res["tail_cprofile"] = buf.getvalue()[-6000:]
+                log(res["tail_cprofile"])
+            out.append([(n, round(ms, 2), ph) for n, ms, ph in steps[-12:]])
+            log("pass", p, out[-1])
     res["tail_steps"] = out
     del llm
 

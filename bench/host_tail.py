@@ -11,7 +11,6 @@ tokenizer of 1,000 words, as the no-op model's vocabulary).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import random
 import statistics
@@ -21,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_host_overhead import _NoOpModel  # noqa: E402
+from phase_timers import timed_methods  # noqa: E402
 from throughput import write_tokenizer  # noqa: E402
 
 
@@ -40,38 +40,26 @@ def main() -> None:
     engine = llm.llm_engine
     engine.runner.model = _NoOpModel(64, 1000)
     acc: dict[str, float] = {}
-
-    def timed(obj, name):
-        fn = getattr(obj, name)
-
-        @functools.wraps(fn)
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[name] = acc.get(name, 0.0) + 1e3 * (time.perf_counter() - t)
-        setattr(obj, name, wrapper)
-
-    for obj, name in ((engine.scheduler, "schedule"), (engine.runner, "execute"), (engine.scheduler, "finish"),
-                      (engine, "_read_tokens"), (engine, "_outputs")):
-        timed(obj, name)
+    targets = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "execute", "execute"),
+               (engine.scheduler, "finish", "finish"), (engine, "_read_tokens", "read_tokens"),
+               (engine, "_outputs", "outputs")]
     rng = random.Random(0)
     sp = SamplingParams(temperature=0, max_tokens=args.out_tokens, ignore_eos=True, output_kind="final")
     for i in range(256):
         engine.add_request(f"b{i}", prompt_token_ids=[rng.randrange(3, 1000) for _ in range(512)], params=sp)
     rows = []
-    while engine.has_unfinished_requests():
-        acc.clear()
-        running = len(engine.scheduler.running)
-        t = time.perf_counter()
-        engine.step()
-        rows.append((running, 1e3 * (time.perf_counter() - t), {k: round(v, 2) for k, v in acc.items()}))
+    with timed_methods(acc, targets):
+        while engine.has_unfinished_requests():
+            acc.clear()
+            running = len(engine.scheduler.running)
+            t = time.perf_counter()
+            engine.step()
+            rows.append((running, 1e3 * (time.perf_counter() - t), {k: round(1e3 * v, 2) for k, v in acc.items()}))
     for r in rows[-10:]:
         print(r[0], round(r[1], 2), r[2])
     finishing = [r for r in rows[-10:-1] if r[0] < 256]
     print("finishing steps: median %.2f ms, their outputs phase median %.2f ms; last step %.2f ms" % (
-        statistics.median(r[1] for r in finishing), statistics.median(r[2].get("_outputs", 0.0) for r in finishing),
+        statistics.median(r[1] for r in finishing), statistics.median(r[2].get("outputs", 0.0) for r in finishing),
         rows[-1][1]))
 
 

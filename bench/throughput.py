@@ -38,6 +38,7 @@ import time
 import torch
 
 from gpu_engine import SHAPES, ceilings, floor_seconds, write_model  # bench/ is the script's own directory
+from phase_timers import timed_methods
 
 SHAPES = {
     **SHAPES,
@@ -398,28 +399,10 @@ def host_phases(engine, n_steps) -> dict:
                (engine, "_read_tokens", "read tokens (wait + detok + stops + outputs)"),
                (engine, "_check_stop", "detokenize + stop checks"), (engine, "_make_output", "build outputs"),
                (sampler_mod.HostSample, "wait", "wait for the device")]
-    saved = []
-    for obj, name, key in targets:
-        fn = getattr(obj, name)
-        saved.append((obj, name, vars(obj).get(name)))  # None: the attribute came from the class
-
-        def timed(*a, _fn=fn, _key=key, **k):
-            t = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                acc[_key] = acc.get(_key, 0.0) + time.perf_counter() - t
-        setattr(obj, name, timed)
     t0 = time.perf_counter()
-    try:
+    with timed_methods(acc, targets):
         for _ in range(n_steps):
             engine.step()
-    finally:
-        for obj, name, own in saved:
-            if own is None:
-                delattr(obj, name)  # no instance attribute left behind (a bound method would be a cycle)
-            else:
-                setattr(obj, name, own)
     acc["step (total)"] = time.perf_counter() - t0
     return {k: round(v / n_steps * 1e3, 3) for k, v in acc.items()}
 
