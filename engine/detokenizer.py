@@ -17,28 +17,6 @@ from pagestream.engine.sampling_params import SamplingParams
 _TAIL_TOKENS = 4
 
 
-def plain_backend_decode(tokenizer) -> bool:
-    """True when ``tokenizer.decode(ids)`` is exactly its Rust backend's ``decode``: a fast tokenizer
-    whose ``_decode`` is transformers' own and that cleans up no spaces afterwards."""
-    if getattr(tokenizer, "backend_tokenizer", None) is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return False
-    for cls in type(tokenizer).__mro__:
-        if "_decode" in vars(cls):
-            return cls.__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")
-    return False
-
-
-def decode_finished(backend, detoks: list["IncrementalDetokenizer"]) -> list[str]:
-    """The whole outputs of finished deferred samples, in order, with the backend's ``decode_batch``
-    (one call per skip_special_tokens setting; it runs in Rust without holding the GIL)."""
-    texts: list[str | None] = [None] * len(detoks)
-    for skip in {d.params.skip_special_tokens for d in detoks}:
-        idx = [i for i, d in enumerate(detoks) if d.params.skip_special_tokens == skip]
-        for i, text in zip(idx, backend.decode_batch([detoks[i].output_ids for i in idx], skip_special_tokens=skip)):
-            texts[i] = text
-    return texts
-
-
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, params: SamplingParams) -> None:
         self.tokenizer = tokenizer
@@ -66,7 +44,6 @@ class IncrementalDetokenizer:
         # the step that finishes it); ours are ints already, so go straight to the tokenizer's own _decode,
         # which does the rest of decode()'s work (special tokens, clean-up of spaces), fast or slow tokenizer.
         self._decode_ids = getattr(tokenizer, "_decode", None) or getattr(tokenizer, "decode", None)
-        self.final_text: str | None = None  # a deferred sample's whole text, when decoded elsewhere
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, skip_special_tokens=self.params.skip_special_tokens)
@@ -122,7 +99,7 @@ class IncrementalDetokenizer:
         if self.deferred:
             if not finished or self.tokenizer is None:
                 return ""
-            self.text = self.final_text if self.final_text is not None else self._decode(self.output_ids)
+            self.text = self._decode(self.output_ids)
         elif finished:
             self._flush()
         limit = len(self.text) if finished or not self.hold else max(self.num_emitted, len(self.text) - self.hold)

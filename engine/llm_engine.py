@@ -6,15 +6,13 @@ import json
 import logging
 import os
 import time
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagestream.engine.block_manager import BlockManager
 from pagestream.engine.config import EngineConfig
 from pagestream.engine.heap import freeze_startup_heap
-from pagestream.engine.detokenizer import IncrementalDetokenizer, decode_finished, plain_backend_decode
+from pagestream.engine.detokenizer import IncrementalDetokenizer
 from pagestream.engine.input_processor import EngineLimits, InputProcessor
 from pagestream.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagestream.engine.sampling_params import SamplingParams
@@ -108,15 +106,6 @@ class LLMEngine:
         # Live requests whose sampling reads the token history (penalties): while any
         # runs, each step waits for the one before it (see step()).
         self._num_history_requests = 0
-        # Whole texts of finished "final" requests (LLM.generate's): with a tokenizer whose decode is its
-        # Rust backend's, decoded on a thread beside the loop, their outputs given once decoded (_outputs).
-        self._texts_off_loop = self.tokenizer is not None and self.detokenize and plain_backend_decode(self.tokenizer)
-        self._text_pool: ThreadPoolExecutor | None = None
-        self._pending_texts: list[tuple[Future, list[_Request], list[IncrementalDetokenizer]]] = []
-        if self._texts_off_loop:
-            self._text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagestream-detok")
-            self._text_pool.submit(int)  # start its thread now, not on the step that first needs it
-            weakref.finalize(self, self._text_pool.shutdown, wait=False)
         self.runner.warm_up()
         freeze_startup_heap()
 
@@ -183,7 +172,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its final output says 'abort'."""
         req = self._requests.get(request_id)
-        if req is None or req.finished:  # finished, its text still being decoded: its output is on the way
+        if req is None:
             return False
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
@@ -231,8 +220,6 @@ class LLMEngine:
         sampling reads the host's token history), step N is read before N+1 is planned.
         """
         outputs, self._aborted_outputs = self._aborted_outputs, []
-        if self._pending_texts:
-            outputs += self._decoded_outputs(wait=False)
         prev = self._in_flight
         self._in_flight = None
         if prev is not None and (not self.config.async_scheduling or self._num_history_requests):
@@ -246,8 +233,6 @@ class LLMEngine:
             self.scheduler.update_from_output(sched)
         if prev is not None:
             outputs += self._read_tokens(prev)
-        if self._pending_texts and self._in_flight is None:  # nothing on the device: wait for the texts
-            outputs += self._decoded_outputs(wait=True)
         return outputs
 
     def _read_tokens(self, step: StepHandle) -> list[RequestOutput]:
@@ -280,39 +265,12 @@ class LLMEngine:
     def _outputs(self, reqs) -> list[RequestOutput]:
         """The outputs of requests that made tokens this step (final ones only once finished)."""
         outputs = []
-        off_loop = []
         for req in reqs:
-            if req.params.output_kind == "final":
-                if not req.finished:
-                    continue
-                if self._texts_off_loop and all(d.deferred for d in req.detoks):
-                    off_loop.append(req)
-                    continue
+            if req.params.output_kind == "final" and not req.finished:
+                continue
             out = self._make_output(req)
             outputs.append(out)
             if out.finished:
-                self._forget(req)
-        if off_loop:
-            self._decode_off_loop(off_loop)
-        return outputs
-
-    def _decode_off_loop(self, reqs: list[_Request]) -> None:
-        """Decode finished final requests' whole texts on a thread, while the loop goes on. A batch's
-        samples finish together (32 or more on one step of LLM.generate's 256), and their decodes on
-        the loop held the next step back by several ms; the backend's decode_batch runs without the GIL."""
-        detoks = [d for req in reqs for d in req.detoks]
-        future = self._text_pool.submit(decode_finished, self.tokenizer.backend_tokenizer, detoks)
-        self._pending_texts.append((future, reqs, detoks))
-
-    def _decoded_outputs(self, wait: bool) -> list[RequestOutput]:
-        """The outputs of finished requests whose texts are decoded (all of them with ``wait``), in order."""
-        outputs = []
-        while self._pending_texts and (wait or self._pending_texts[0][0].done()):
-            future, reqs, detoks = self._pending_texts.pop(0)
-            for detok, text in zip(detoks, future.result()):
-                detok.final_text = text
-            for req in reqs:
-                outputs.append(self._make_output(req))
                 self._forget(req)
         return outputs
 
