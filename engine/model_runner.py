@@ -465,8 +465,9 @@ class ModelRunner:
     def _dummy_forward(self, num_tokens: int, num_seqs: int, logit_rows: list[int] | None = None) -> None:
         """A throw-away step over the real pool: ``num_seqs`` fresh prompts sharing
         ``num_tokens`` query tokens (decode rows when they are equal). It stores
-        nothing (slot -1) and reads whatever the blocks hold. The LM head and an argmax
-        run on the first n sampled rows for each n of ``logit_rows`` (default: all of them)."""
+        nothing (slot -1) and reads whatever the blocks hold. The LM head and the greedy
+        sampler's argmax (a Triton kernel on CUDA, compiled here rather than on the first
+        request) run on the first n sampled rows for each n of ``logit_rows`` (default: all)."""
         dev, bs = self.device, self.block_size
         # no sequence longer than the model allows (positions index the rope cache / learned table)
         num_seqs = max(num_seqs, -(-num_tokens // (self.config.max_model_len - 1)))
@@ -487,7 +488,7 @@ class ModelRunner:
         hidden = self.model(ids, pos, meta, self.cos_sin_cache)
         rows = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.long, device=dev)
         for n in logit_rows or [len(rows)]:
-            self.model.compute_logits(hidden.index_select(0, rows[:n])).float().argmax(dim=-1)
+            self.sampler.greedy(self.model.compute_logits(hidden.index_select(0, rows[:n])))
 
     def warm_up(self) -> None:
         """Run, at start-up, the eager forms of what a step can meet (steps no graph

@@ -94,9 +94,7 @@ class Sampler:
         """
         # logits: [num_seqs, vocab] float32 (the model's raw output for each row's last position)
         if self._plain_greedy(seqs):
-            # Greedy only: argmax in the model's dtype picks the same token as in fp32 (the
-            # conversion is exact and keeps order), without an fp32 copy of every row's logits.
-            return DeviceSample(kernel_ops(logits.device).argmax(logits[:, : self.vocab_size]), [None] * len(seqs))
+            return DeviceSample(self.greedy(logits), [None] * len(seqs))
         params = [s.params for s in seqs]
         logprob_k = [p.logprobs for p in params]
         want_logprobs = any(k is not None for k in logprob_k)
@@ -118,6 +116,11 @@ class Sampler:
             out.chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
             out.top_vals, out.top_ids = raw_logprobs.topk(k_max, dim=-1)
         return out
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:  # [n, vocab (padded)] -> [n] int64
+        """The all-greedy batch's tokens: argmax in the model's dtype picks the same token as in fp32
+        (the conversion is exact and keeps order), without an fp32 copy of every row's logits."""
+        return kernel_ops(logits.device).argmax(logits[:, : self.vocab_size])
 
     @staticmethod
     def _plain_greedy(seqs: list[Sequence]) -> bool:
