@@ -66,7 +66,7 @@ def main() -> None:
 
     import redis
 
-    from pagestream.producer.bulk import get_bulk, submit_bulk
+    from pagestream.producer.bulk.api import get_bulk, submit_bulk
 
     r = redis.Redis.from_url(args.redis_url, decode_responses=True)
     r.flushdb()

@@ -29,8 +29,9 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.queue_helpers: the same private redis-server the tests use
 
-from pagestream.producer import JobStatus, Producer, keys  # noqa: E402
-from pagestream.producer.schema import JobResult  # noqa: E402
+from pagestream.producer import JobStatus, Producer  # noqa: E402
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.schema import JobResult  # noqa: E402
 from tests.queue_helpers import start_redis_server  # noqa: E402
 
 MiB = 1024 * 1024

@@ -18,8 +18,8 @@ import time
 
 from pagestream.engine import LLM, SamplingParams
 from pagestream.engine.smollm2 import ensure_smollm2
-from pagestream.producer.schema import JobResult, SampleResult
-from pagestream.producer.wire import token_event_fields
+from pagestream.producer.protocol.schema import JobResult, SampleResult
+from pagestream.producer.protocol.wire import token_event_fields
 from pagestream.worker.logprobs import TokenTexts
 
 EVENT_TOKENS = 8

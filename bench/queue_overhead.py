@@ -38,8 +38,9 @@ import redis  # noqa: E402
 
 sys.path.insert(0, str(ROOT))  # tests.redis_cluster: the same 3-master cluster the tests start
 
-from pagestream.producer import Producer, keys  # noqa: E402
-from pagestream.producer.redis_conn import connect  # noqa: E402
+from pagestream.producer import Producer  # noqa: E402
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.redis_conn import connect  # noqa: E402
 from tests.queue_helpers import lane_group  # noqa: E402
 
 

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import redis
 
 from pagestream.producer import Producer
-from pagestream.producer.schema import JobStatus
+from pagestream.producer.protocol.schema import JobStatus
 from pagestream.worker.consumer import Consumer
 from pagestream.worker.jobs import ActiveJob, SampleOutput, parse_delivery
 from pagestream.worker.publisher import Final, Publisher, Start

@@ -89,7 +89,7 @@ def redis_url(redis_backend, request, monkeypatch):
 @pytest.fixture
 def r(redis_url):
     """A redis-py client on the test db (a ``RedisCluster`` on the cluster)."""
-    from pagestream.producer.redis_conn import connect
+    from pagestream.producer.protocol.redis_conn import connect
 
     c = connect(redis_url)
     yield c

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import redis
 
-from pagestream.producer import keys
-from pagestream.producer.lanes import resolve_layout
-from pagestream.producer.wire import decode_out_entry
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.lanes import resolve_layout
+from pagestream.producer.protocol.wire import decode_out_entry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,7 @@ def assert_contiguous(r: redis.Redis, job_id: str) -> str:
 
 
 def lane_streams(r: redis.Redis, lane: str) -> list[str]:
-    """The streams of a lane: one on a single node, every shard on a cluster (``producer.lanes``)."""
+    """The streams of a lane: one on a single node, every shard on a cluster (``producer.protocol.lanes``)."""
     return resolve_layout(r).streams(lane)
 
 

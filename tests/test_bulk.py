@@ -16,11 +16,11 @@ import openai
 import pytest
 import redis
 
-from pagestream.producer import keys
-from pagestream.producer.bulk import BULK_QUEUE, bulk_queue, cancel_bulk, get_bulk, submit_bulk
-from pagestream.producer.bulk_io import BadLine, BulkRequest, parse_line
-from pagestream.producer.bulk_s3 import S3Storage
-from pagestream.producer.bulk_storage import ConflictError, LocalStorage, StorageSettings
+from pagestream.producer.protocol import keys
+from pagestream.producer.bulk.api import BULK_QUEUE, bulk_queue, cancel_bulk, get_bulk, submit_bulk
+from pagestream.producer.bulk.io import BadLine, BulkRequest, parse_line
+from pagestream.producer.bulk.s3 import S3Storage
+from pagestream.producer.bulk.storage import ConflictError, LocalStorage, StorageSettings
 from test_bulk_support import AWS_ENV, run_standin
 
 
@@ -289,7 +289,7 @@ def test_cli_submit_wait_status_cancel_with_plain_rq_worker(redis_url, tmp_path)
     standin.start()
     rq_exe = str(Path(sys.executable).with_name("rq"))
     rq_proc = subprocess.Popen([rq_exe, "worker", BULK_QUEUE, "--url", redis_url, "--burst", "-S",
-                                "rq.serializers.JSONSerializer", "--job-class", "pagestream.producer.bulk_rq.BulkJob"], env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))},
+                                "rq.serializers.JSONSerializer", "--job-class", "pagestream.producer.bulk.rq_queue.BulkJob"], env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))},
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         runner = CliRunner()
@@ -322,7 +322,7 @@ def test_cli_submit_wait_status_cancel_with_plain_rq_worker(redis_url, tmp_path)
 
 
 def test_backend_enqueues_the_documented_function_itself(redis_url, tmp_path):
-    from pagestream.producer.bulk import RUN_BULK_FUNC, create_bulk
+    from pagestream.producer.bulk.api import RUN_BULK_FUNC, create_bulk
 
     inp = tmp_path / "in.jsonl"
     expected = write_input(inp, 40)
@@ -338,8 +338,8 @@ def test_backend_enqueues_the_documented_function_itself(redis_url, tmp_path):
 
 def test_finalize_rerun_after_crash_mid_upload_is_idempotent(s3, bucket, moto_url):
     """A finalize that died after some shards were written re-runs to the same bytes (write-once shards)."""
-    from pagestream.producer.bulk_finalize import compact
-    from pagestream.producer.bulk_io import PartEntry
+    from pagestream.producer.bulk.finalize import compact
+    from pagestream.producer.bulk.io import PartEntry
 
     st = S3Storage(f"s3://{bucket}/out", StorageSettings(s3_endpoint_url=moto_url))
     entries = [PartEntry(line=i, custom_id=f"c{i}", ok=i % 7 != 0, record={"custom_id": f"c{i}", "n": i})
@@ -376,8 +376,8 @@ def test_finalize_rerun_after_crash_mid_upload_is_idempotent(s3, bucket, moto_ur
 
 
 def test_sink_acks_only_durable_entries_and_drops_final_bulks(redis_url, tmp_path):
-    from pagestream.producer.bulk import create_bulk
-    from pagestream.producer.schema import JobRequest, JobResult, JobStatus, OutputTarget
+    from pagestream.producer.bulk.api import create_bulk
+    from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, OutputTarget
     from pagestream.worker.bulk_sink import BulkSink
 
     class Settings:
@@ -424,7 +424,7 @@ def test_missing_s3_input_fails_with_its_uri(redis_url, s3, bucket, tmp_path):
 
 
 def test_cancel_mid_run_keeps_finished_lines_exactly_once(redis_url, tmp_path, monkeypatch):
-    import pagestream.producer.bulk_orchestrator as orch
+    import pagestream.producer.bulk.orchestrator as orch
 
     monkeypatch.setattr(orch, "CANCEL_GRACE_S", 5.0)
     inp = tmp_path / "in.jsonl"
@@ -452,7 +452,7 @@ def test_cancel_mid_run_keeps_finished_lines_exactly_once(redis_url, tmp_path, m
 
 
 def test_cancel_with_real_worker_skips_queued_jobs_and_finalizes_without_waiting_out_the_grace(redis_url, tmp_path, monkeypatch):
-    import pagestream.producer.bulk_orchestrator as orch
+    import pagestream.producer.bulk.orchestrator as orch
     from tests.queue_helpers import wait_for
     from pagestream.worker.fake_engine import FakeConfig, FakeEngine
     from pagestream.worker.settings import WorkerSettings

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import boto3
 import pytest
-from pagestream.producer import keys
-from pagestream.producer.bulk import get_bulk, submit_bulk
-from pagestream.producer.redis_conn import connect
+from pagestream.producer.protocol import keys
+from pagestream.producer.bulk.api import get_bulk, submit_bulk
+from pagestream.producer.protocol.redis_conn import connect
 from tests.queue_helpers import lane_group
 from test_bulk import read_jsonl
 from test_bulk_support import AWS_ENV

@@ -7,8 +7,8 @@ import boto3
 import pytest
 import redis
 
-from pagestream.producer import keys
-from pagestream.producer.bulk import get_bulk, submit_bulk
+from pagestream.producer.protocol import keys
+from pagestream.producer.bulk.api import get_bulk, submit_bulk
 from test_bulk import read_jsonl, rq_burst, run_bulk_with_standins, write_input
 from test_bulk_support import AWS_ENV, FaultProxy, FaultRule
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import tracemalloc
 
-from pagestream.producer.bulk import submit_bulk
-from pagestream.producer.bulk_io import max_line_bytes
-from pagestream.producer.bulk_storage import split_lines
-from pagestream.producer.limits import JobLimits
+from pagestream.producer.bulk.api import submit_bulk
+from pagestream.producer.bulk.io import max_line_bytes
+from pagestream.producer.bulk.storage import split_lines
+from pagestream.producer.protocol.limits import JobLimits
 from test_bulk import bucket, read_jsonl, run_bulk_with_standins, s3  # noqa: F401 (fixtures)
 
 HUGE_LINE_BYTES = 20 * 1024 * 1024

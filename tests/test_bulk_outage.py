@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from pagestream.producer import keys
-from pagestream.producer.bulk import get_bulk, submit_bulk
+from pagestream.producer.protocol import keys
+from pagestream.producer.bulk.api import get_bulk, submit_bulk
 from test_bulk import read_jsonl, write_input
 from test_bulk_support import free_port
 from tests.queue_helpers import ROOT, WorkerProc, wait_for

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import redis
 
-from pagestream.producer import keys
-from pagestream.producer.bulk import get_bulk, submit_bulk
+from pagestream.producer.protocol import keys
+from pagestream.producer.bulk.api import get_bulk, submit_bulk
 from test_bulk import read_jsonl, write_input
 
 HERE = Path(__file__).resolve().parent
@@ -21,7 +21,7 @@ ROOT = HERE.parent
 
 
 def spawn_bulk_worker(redis_url: str, env: dict) -> subprocess.Popen:
-    code = "import typer; from pagestream.worker.bulk_cli import bulk_worker; typer.run(bulk_worker)"
+    code = "import typer; from pagestream.producer.bulk.cli import bulk_worker; typer.run(bulk_worker)"
     return subprocess.Popen([sys.executable, "-c", code, "--redis-url", redis_url, "--rescue-interval-s", "1"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

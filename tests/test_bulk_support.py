@@ -169,8 +169,8 @@ def run_standin(redis_url: str, consumer: str, lanes=("low",), *, stop: threadin
     """A worker stand-in: XREADGROUP, fake engine, ``BulkSink`` add/poll, XACK what poll returns."""
     import redis as redis_lib
 
-    from pagestream.producer import keys
-    from pagestream.producer.schema import JobRequest, JobResult, JobStatus
+    from pagestream.producer.protocol import keys
+    from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus
     from pagestream.worker.bulk_sink import BulkSink
 
     class S:

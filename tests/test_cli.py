@@ -9,7 +9,7 @@ import sys
 import pytest
 import redis
 
-from pagestream.producer import keys
+from pagestream.producer.protocol import keys
 from tests.queue_helpers import ROOT, WorkerProc
 
 

@@ -14,11 +14,12 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from pagestream.producer import JobStatus, Producer, keys
-from pagestream.producer.client_core import RESERVE_LUA, queued_key_ttl_s
-from pagestream.producer.redis_conn import connect
-from pagestream.producer.schema import JobRequest
-from pagestream.producer.wire import JOB_FIELD, job_fields
+from pagestream.producer import JobStatus, Producer
+from pagestream.producer.protocol import keys
+from pagestream.producer.client.core import RESERVE_LUA, queued_key_ttl_s
+from pagestream.producer.protocol.redis_conn import connect
+from pagestream.producer.protocol.schema import JobRequest
+from pagestream.producer.protocol.wire import JOB_FIELD, job_fields
 from pagestream.worker.fake_engine import FakeConfig, FakeEngine
 from pagestream.worker.settings import WorkerSettings
 from pagestream.worker.stats import collect_stats
@@ -131,8 +132,8 @@ def test_stats_sum_a_lanes_shards(cluster):
 
 
 def test_the_bulk_queue_refuses_a_cluster_without_a_single_node_for_rq(cluster, tmp_path):
-    from pagestream.producer.bulk import submit_bulk
-    from pagestream.producer.bulk_rq import RQNeedsSingleNode
+    from pagestream.producer.bulk.api import submit_bulk
+    from pagestream.producer.bulk.rq_queue import RQNeedsSingleNode
 
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"custom_id": "a", "prompt": "x"}\n')

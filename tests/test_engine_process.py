@@ -11,7 +11,8 @@ import pytest
 from pagestream.engine import EngineConfig, SamplingParams
 from pagestream.engine.core_process import EngineProcess
 from pagestream.engine.errors import EngineDeadError
-from pagestream.producer import JobStatus, keys
+from pagestream.producer import JobStatus
+from pagestream.producer.protocol import keys
 from tests.queue_helpers import WorkerProc, assert_contiguous, engine_core_pid, pending_of, pid_alive, wait_for
 
 

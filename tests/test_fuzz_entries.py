@@ -30,8 +30,9 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagestream.producer import JobStatus, Producer, keys
-from pagestream.producer.schema import JobRequest, JobResult
+from pagestream.producer import JobStatus, Producer
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.schema import JobRequest, JobResult
 from pagestream.worker.fake_engine import FakeConfig, FakeEngine
 from pagestream.worker.settings import WorkerSettings
 from pagestream.worker.worker import Worker

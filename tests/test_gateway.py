@@ -15,7 +15,7 @@ import redis
 from gateway_helpers import DB_URL, GatewayProc
 from private_redis import PrivateRedis
 from pagestream.producer import JobResult, Producer
-from pagestream.producer import keys
+from pagestream.producer.protocol import keys
 from pagestream.worker.fake_engine import FakeEngine
 from pagestream.worker.routing import announce
 from queue_helpers import WorkerProc, wait_for

@@ -17,8 +17,9 @@ import redis
 from openai.types.completion_choice import Logprobs
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagestream.producer import JobResult, keys
-from pagestream.producer.wire import decode_out_entry
+from pagestream.producer import JobResult
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.wire import decode_out_entry
 from private_redis import free_port
 from queue_helpers import ROOT, wait_for
 from test_gateway import DB_URL

@@ -1,4 +1,4 @@
-"""The gateway's shared stream reader (``AsyncProducer(multiplex_reads=True)``, producer.client_mux):
+"""The gateway's shared stream reader (``AsyncProducer(multiplex_reads=True)``, producer.client.mux):
 many jobs followed at once through one blocking XREAD, each subscriber getting exactly its own
 events, a job that joins a blocked read served at once, and a Redis restart ridden out.
 Events are published by hand here, as a worker would write them."""
@@ -10,9 +10,10 @@ import time
 
 import redis
 
-from pagestream.producer import AsyncProducer, JobStatus, keys
-from pagestream.producer import client_mux
-from pagestream.producer.wire import end_fields, token_event_fields
+from pagestream.producer import AsyncProducer, JobStatus
+from pagestream.producer.protocol import keys
+from pagestream.producer.client import mux as client_mux
+from pagestream.producer.protocol.wire import end_fields, token_event_fields
 from private_redis import PrivateRedis
 
 

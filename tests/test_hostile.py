@@ -12,8 +12,9 @@ import threading
 
 import redis
 
-from pagestream.producer import JobStatus, keys
-from pagestream.producer.schema import JobResult
+from pagestream.producer import JobStatus
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.schema import JobResult
 from pagestream.worker.consumer import Consumer
 from pagestream.worker.fake_engine import FakeConfig, FakeEngine
 from pagestream.worker.publisher import Delta, Final, Publisher

@@ -13,9 +13,9 @@ import pytest
 import redis
 from pydantic import ValidationError
 
-from pagestream.producer import keys
-from pagestream.producer.limits import JobLimits, job_limits
-from pagestream.producer.schema import JobRequest, JobStatus
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.limits import JobLimits, job_limits
+from pagestream.producer.protocol.schema import JobRequest, JobStatus
 from tests.queue_helpers import WorkerProc
 
 DEFAULTS = JobLimits()

@@ -7,7 +7,8 @@ import json
 import pytest
 import redis
 
-from pagestream.producer import Producer, keys
+from pagestream.producer import Producer
+from pagestream.producer.protocol import keys
 from pagestream.worker.consumer import Consumer
 from pagestream.worker.settings import WorkerSettings
 from tests.queue_helpers import WorkerProc, wait_for

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
 import sys, kernels, pagestream
 from pagestream import LLM, SamplingParams, Producer
-import pagestream.producer.client, pagestream.worker.cli
+import pagestream.producer.client.producer, pagestream.worker.cli
 assert not kernels.__file__.startswith(pagestream.__path__[0]), kernels.__file__
 print("torch" in sys.modules, LLM.__module__, SamplingParams.__module__, Producer.__module__)
 """
@@ -47,7 +47,7 @@ def test_the_wheel_installs_beside_hf_kernels_and_a_producer_install_loads_no_to
     torch_loaded, llm_mod, sp_mod, producer_mod = run(py, "-c", PROBE, cwd=tmp_path).split()
     assert torch_loaded == "False"
     assert (llm_mod, sp_mod, producer_mod) == (
-        "pagestream.engine.llm", "pagestream.engine.sampling_params", "pagestream.producer.client")
+        "pagestream.engine.llm", "pagestream.engine.sampling_params", "pagestream.producer.client.producer")
     site = Path(run(py, "-c", "import kernels, os; print(os.path.dirname(kernels.__file__))", cwd=tmp_path).strip())
     hf_init = (site / "__init__.py").read_text()
     assert "pagestream" not in hf_init  # HF's own file, not ours

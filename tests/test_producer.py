@@ -8,8 +8,8 @@ import pytest
 import redis
 
 from pagestream.producer import AsyncProducer, JobNotFound, JobRequest, JobStatus
-from pagestream.producer import keys
-from pagestream.producer.wire import token_event_fields, end_fields
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.wire import token_event_fields, end_fields
 
 
 def test_schema_roundtrip_and_flat_sampling():
@@ -132,10 +132,10 @@ def test_submit_takes_a_jobrequest_or_a_dict_as_the_issue_documents(producer, r)
 
 
 def test_bulk_keys_live_in_producer_keys_with_one_hash_tag_per_bulk(redis_url):
-    """pagestream.producer.keys names every key a bulk writes, with the key strings bulks already in Redis use."""
+    """pagestream.producer.protocol.keys names every key a bulk writes, with the key strings bulks already in Redis use."""
     import importlib
 
-    from pagestream.producer.bulk import cancel_bulk, create_bulk
+    from pagestream.producer.bulk.api import cancel_bulk, create_bulk
 
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("pagestream.producer.bulk_keys")
@@ -147,7 +147,7 @@ def test_bulk_keys_live_in_producer_keys_with_one_hash_tag_per_bulk(redis_url):
     c = redis.Redis.from_url(redis_url, decode_responses=True)
     create_bulk("in.jsonl", "out", connection=c, bulk_id=bid)
     cancel_bulk(c, bid)
-    # everything create/cancel wrote is named by producer.keys
+    # everything create/cancel wrote is named by producer.protocol.keys
     assert set(c.keys("*")) == {keys.bulk_hash(bid), keys.bulk_index()}
     assert c.hget(keys.bulk_hash(bid), "status") == "cancelling"
     assert c.zscore(keys.bulk_index(), bid) is not None
@@ -156,7 +156,7 @@ def test_bulk_keys_live_in_producer_keys_with_one_hash_tag_per_bulk(redis_url):
 @pytest.mark.also_on_cluster
 def test_a_queued_job_hash_expires_if_no_worker_ever_starts_it(producer, r):
     """Issue 8 item 7: a job nobody runs must not leave its keys forever."""
-    from pagestream.producer.client_core import QUEUED_JOB_KEY_TTL_S
+    from pagestream.producer.client.core import QUEUED_JOB_KEY_TTL_S
 
     job_id = producer.submit(prompt="never run", max_tokens=4, result_ttl_s=60)
     ttl = r.ttl(keys.job_hash(job_id))
@@ -167,7 +167,7 @@ def test_a_queued_job_hash_expires_if_no_worker_ever_starts_it(producer, r):
 
 def _finish(r, job_id: str, text: str) -> None:
     """What a worker leaves when a job ends: a token event, then its result and end entry together."""
-    from pagestream.producer.schema import JobResult
+    from pagestream.producer.protocol.schema import JobResult
 
     out = keys.out_stream(job_id)
     r.xadd(out, token_event_fields(0, 0, [7], text, "stop"))

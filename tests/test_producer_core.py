@@ -10,9 +10,9 @@ import pytest
 import redis
 
 from pagestream.producer import AsyncProducer, JobStatus, ModelNotServed, Producer
-from pagestream.producer import keys
-from pagestream.producer.client_core import CANCEL_LUA, SUBMIT_LUA
-from pagestream.producer.wire import end_fields, token_event_fields
+from pagestream.producer.protocol import keys
+from pagestream.producer.client.core import CANCEL_LUA, SUBMIT_LUA
+from pagestream.producer.protocol.wire import end_fields, token_event_fields
 from private_redis import PrivateRedis
 
 

@@ -29,13 +29,13 @@ from rq import Callback, Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 
 from pagestream.engine.sampling_params import SamplingParams
-from pagestream.producer.bulk import BulkSpec
-from pagestream.producer.bulk_io import BadLine, BulkRequest, max_line_bytes, parse_line
-from pagestream.producer.bulk_orchestrator import bulk_job
-from pagestream.producer.bulk_rq import BULK_QUEUE, RUN_BULK_FUNC, bulk_queue
-from pagestream.producer.limits import job_limits
-from pagestream.producer.schema import JOB_ID_PATTERN, SAMPLING_FIELDS, JobRequest, SamplingOptions
-from pagestream.producer.wire import job_fields, loads_untrusted
+from pagestream.producer.bulk.api import BulkSpec
+from pagestream.producer.bulk.io import BadLine, BulkRequest, max_line_bytes, parse_line
+from pagestream.producer.bulk.orchestrator import bulk_job
+from pagestream.producer.bulk.rq_queue import BULK_QUEUE, RUN_BULK_FUNC, bulk_queue
+from pagestream.producer.protocol.limits import job_limits
+from pagestream.producer.protocol.schema import JOB_ID_PATTERN, SAMPLING_FIELDS, JobRequest, SamplingOptions
+from pagestream.producer.protocol.wire import job_fields, loads_untrusted
 from tests.conftest import REDIS_DB, REDIS_HOST, REDIS_PORT
 
 SMALL_LIMITS = dict(max_prompt_bytes=64, max_prompt_token_ids=16, max_messages=4, max_metadata_bytes=256,
@@ -236,8 +236,8 @@ def test_each_bulk_line_gives_a_job_or_an_error_line(raw):
 # ---- RQ payloads on the bulk queue ----------------------------------------------------------------
 
 DANGEROUS = ["os.system", "subprocess.check_call", "subprocess.run", "builtins.exec", "builtins.eval",
-             "builtins.open", "pathlib.Path.touch", "shutil.rmtree", "pagestream.producer.bulk.cancel_bulk",
-             "pagestream.producer.bulk_orchestrator.Orchestrator", RUN_BULK_FUNC, RUN_BULK_FUNC + ".__call__"]
+             "builtins.open", "pathlib.Path.touch", "shutil.rmtree", "pagestream.producer.bulk.api.cancel_bulk",
+             "pagestream.producer.bulk.orchestrator.Orchestrator", RUN_BULK_FUNC, RUN_BULK_FUNC + ".__call__"]
 
 
 @pytest.fixture(scope="module")

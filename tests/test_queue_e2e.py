@@ -15,7 +15,7 @@ import time
 import pytest
 
 from pagestream.producer import JobStatus, Producer
-from pagestream.producer import keys
+from pagestream.producer.protocol import keys
 from tests.queue_helpers import ROOT, WorkerProc, assert_contiguous, engine_core_pid, lane_group, pending_of, pid_alive, raw_events, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.also_on_cluster]

@@ -17,9 +17,9 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from pagestream.producer.bulk import BulkStatus, create_bulk, rescue_stalled
-from pagestream.producer import keys
-from pagestream.producer.redaction import RedactingFilter, redact, redact_url
+from pagestream.producer.bulk.api import BulkStatus, create_bulk, rescue_stalled
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.redaction import RedactingFilter, redact, redact_url
 from tests.queue_helpers import ROOT
 
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from pagestream.producer.wire import UntrustedJSONError, loads_untrusted
+from pagestream.producer.protocol.wire import UntrustedJSONError, loads_untrusted
 
 
 def test_accepts_ordinary_json_and_unicode():
@@ -37,8 +37,8 @@ def test_what_it_returns_always_serializes_back():
 
 
 def test_token_events_carry_logprobs_compactly_and_are_unchanged_without_them():
-    from pagestream.producer.schema import JobResult, SampleResult, TokenLogprob
-    from pagestream.producer.wire import decode_out_entry, token_event_fields
+    from pagestream.producer.protocol.schema import JobResult, SampleResult, TokenLogprob
+    from pagestream.producer.protocol.wire import decode_out_entry, token_event_fields
 
     # the layout every subscriber of an earlier release reads: no new key unless logprobs were asked for
     assert token_event_fields(0, 3, [5, 6], "ab", "stop") == {"type": "tok", "ev": '{"s":0,"i":3,"t":[5,6],"x":"ab","f":"stop"}'}

@@ -15,7 +15,7 @@ import redis
 
 from pagestream.engine.errors import EngineDeadError
 from pagestream.producer import JobStatus
-from pagestream.producer import keys
+from pagestream.producer.protocol import keys
 from tests.queue_helpers import assert_contiguous, stream_of_job, wait_for
 from pagestream.worker.fake_engine import FakeConfig, FakeEngine
 from pagestream.worker.settings import WorkerSettings
@@ -474,7 +474,7 @@ class _CountingEngine(FakeEngine):
 
 
 def _bulk(redis_url, tmp_path, bulk_id: str) -> str:
-    from pagestream.producer.bulk import create_bulk
+    from pagestream.producer.bulk.api import create_bulk
 
     c = redis.Redis.from_url(redis_url, decode_responses=True)
     create_bulk(str(tmp_path / "in.jsonl"), str(tmp_path / bulk_id), connection=c, bulk_id=bulk_id)
@@ -489,9 +489,9 @@ def _bulk_job(bulk_id: str, i: int, tmp_path) -> dict:
 
 
 def test_jobs_of_a_cancelled_bulk_are_acked_without_reaching_the_engine(r, redis_url, producer, tmp_path):
-    from pagestream.producer.bulk import cancel_bulk
-    from pagestream.producer.schema import JobRequest
-    from pagestream.producer.wire import job_fields
+    from pagestream.producer.bulk.api import cancel_bulk
+    from pagestream.producer.protocol.schema import JobRequest
+    from pagestream.producer.protocol.wire import job_fields
 
     live, dead = _bulk(redis_url, tmp_path, "b-live"), _bulk(redis_url, tmp_path, "b-dead")
     n = 20
@@ -520,7 +520,7 @@ def test_jobs_of_a_cancelled_bulk_are_acked_without_reaching_the_engine(r, redis
 
 
 def test_sink_that_cannot_write_stops_pulling_and_bounds_the_pel(r, redis_url, producer, tmp_path):
-    from pagestream.producer.bulk_storage import StorageError
+    from pagestream.producer.bulk.storage import StorageError
     from pagestream.worker.bulk_sink import BulkSink
 
     class FailingStorage:

@@ -2,7 +2,7 @@
 
 A bulk that is cancelling, cancelled, expired or failed will never use more
 results, so its queued jobs are acked without running (no dead letter: nothing
-is wrong with them). ``BulkGate.is_live`` caches ``producer.bulk.bulk_is_live``
+is wrong with them). ``BulkGate.is_live`` caches ``producer.bulk.api.bulk_is_live``
 per bulk for ``ttl_s``, so a worker admitting thousands of a bulk's jobs asks
 Redis about once a second, not once a job.
 
@@ -19,8 +19,8 @@ from collections.abc import Iterable
 
 import redis
 
-from pagestream.producer import keys
-from pagestream.producer.bulk import BulkStatus, bulk_is_live
+from pagestream.producer.protocol import keys
+from pagestream.producer.bulk.api import BulkStatus, bulk_is_live
 
 log = logging.getLogger(__name__)
 

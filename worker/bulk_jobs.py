@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from pagestream.producer.schema import JobRequest, JobResult, JobStatus
+from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus
 from pagestream.worker.bulk_gate import BulkGate
 from pagestream.worker.consumer import Delivery
 from pagestream.worker.jobs import ActiveJob

@@ -26,10 +26,10 @@ from typing import Any
 
 import redis
 
-from pagestream.producer import keys
-from pagestream.producer.bulk import BulkSpec, BulkStatus
-from pagestream.producer.bulk_io import PartEntry, line_of_job_id, result_entry
-from pagestream.producer.bulk_storage import Storage, StorageError, StorageSettings, open_storage
+from pagestream.producer.protocol import keys
+from pagestream.producer.bulk.api import BulkSpec, BulkStatus
+from pagestream.producer.bulk.io import PartEntry, line_of_job_id, result_entry
+from pagestream.producer.bulk.storage import Storage, StorageError, StorageSettings, open_storage
 
 log = logging.getLogger(__name__)
 

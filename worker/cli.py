@@ -4,7 +4,7 @@ Only ``worker`` imports the engine (inside the command), so ``submit``, ``tail``
 ``stats`` and ``bulk`` work in a producer-only install without torch.
 
 Exit status: 0 done, 1 the job or bulk did not complete, 2 bad input or not found,
-3 Redis unreachable (one line on stderr, no traceback): see ``worker/cli_common.py``.
+3 Redis unreachable (one line on stderr, no traceback): see ``producer/protocol/cli.py``.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Optional
 
 import typer
 
-from pagestream.producer.schema import Lane
-from pagestream.producer.redaction import install_log_redaction, redact, redact_url
-from pagestream.worker.cli_common import EXIT_REDIS_DOWN, redis_url_option, resolve_url
+from pagestream.producer.protocol.schema import Lane
+from pagestream.producer.protocol.redaction import install_log_redaction, redact, redact_url
+from pagestream.producer.protocol.cli import EXIT_REDIS_DOWN, redis_url_option, resolve_url
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="pagestream: queue-fed LLM batch inference.")
 
@@ -130,7 +130,7 @@ def worker(
 ) -> None:
     """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
     from pagestream.engine.errors import EngineDeadError
-    from pagestream.producer.redis_conn import connect
+    from pagestream.producer.protocol.redis_conn import connect
     from pagestream.worker.settings import WorkerSettings
     from pagestream.engine.heap import freeze_startup_heap
     from pagestream.worker.worker import Worker
@@ -197,7 +197,7 @@ def submit(
     from pydantic import ValidationError
 
     from pagestream.producer import Producer
-    from pagestream.producer.schema import format_validation_error
+    from pagestream.producer.protocol.schema import format_validation_error
 
     fields: dict = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, lane=lane.value, job_id=job_id)
     if chat or system:
@@ -241,7 +241,7 @@ def tail(
 ) -> None:
     """Follow a job's token stream until it ends."""
     from pagestream.producer import Producer
-    from pagestream.producer.client import JobNotFound
+    from pagestream.producer.client.producer import JobNotFound
 
     with Producer.from_url(_url(redis_url)) as p:
         try:
@@ -267,7 +267,7 @@ def stats(
     window_s: int = typer.Option(10, "--window", help="seconds over which jobs/s is averaged"),
 ) -> None:
     """Per lane: length, pending, consumers and their idle time, DLQ size, jobs/s."""
-    from pagestream.producer.redis_conn import connect
+    from pagestream.producer.protocol.redis_conn import connect
     from pagestream.worker.stats import collect_stats, format_stats
 
     client = connect(_url(redis_url))
@@ -276,7 +276,7 @@ def stats(
 
 
 try:  # the bulk commands live with the bulk sink (issue 5)
-    from pagestream.worker.bulk_cli import bulk_app, bulk_worker
+    from pagestream.producer.bulk.cli import bulk_app, bulk_worker
 
     app.add_typer(bulk_app, name="bulk")
     app.command("bulk-worker")(bulk_worker)
@@ -288,7 +288,7 @@ from pagestream.worker.serve_cli import gateway, serve  # noqa: E402  (the OpenA
 app.command("gateway")(gateway)
 app.command("serve")(serve)
 
-from pagestream.worker.ops_cli import cancel, dlq_app, status  # noqa: E402  (operations, issue 13)
+from pagestream.producer.client.ops_cli import cancel, dlq_app, status  # noqa: E402  (operations, issue 13)
 
 app.command("cancel")(cancel)
 app.command("status")(status)

@@ -1,7 +1,7 @@
 """One worker's side of the consumer group: read, reclaim, keep leases, ack, dead-letter, trim.
 
 Each lane is one stream (``ps:jobs:{lane}``) with one group; on Redis Cluster each lane
-is ``lane_shards`` streams (``producer.lanes``), and this consumer reads, reclaims, trims
+is ``lane_shards`` streams (``producer.protocol.lanes``), and this consumer reads, reclaims, trims
 and refreshes every one of them. Entries are named by a "lane key" (``normal`` for shard
 0, ``normal/3`` for shard 3), which is what ``Delivery.lane`` holds. An entry is "held"
 by this consumer from XREADGROUP/XAUTOCLAIM until XACK; while held, its idle
@@ -19,9 +19,9 @@ from typing import TypeVar
 
 import redis
 
-from pagestream.producer import keys
-from pagestream.producer.lanes import resolve_layout
-from pagestream.producer.schema import DeadLetter
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.lanes import resolve_layout
+from pagestream.producer.protocol.schema import DeadLetter
 from pagestream.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)

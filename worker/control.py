@@ -15,7 +15,7 @@ import time
 
 import redis
 
-from pagestream.producer import keys
+from pagestream.producer.protocol import keys
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer
 from pagestream.worker.loop_state import LoopState

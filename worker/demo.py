@@ -21,7 +21,7 @@ from pathlib import Path
 import redis
 
 from pagestream.producer import Producer
-from pagestream.producer.redaction import redact_url
+from pagestream.producer.protocol.redaction import redact_url
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,8 +19,8 @@ from typing import Any
 import redis
 
 from pagestream.engine.errors import EngineDeadError
-from pagestream.producer import keys
-from pagestream.producer.schema import JobRequest, JobStatus
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.schema import JobRequest, JobStatus
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
 from pagestream.worker.jobs import ActiveJob, InvalidJob, claim_entries, load_history, parse_delivery

@@ -8,10 +8,10 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from pagestream.producer import keys
-from pagestream.producer.redis_conn import queue_script
-from pagestream.producer.schema import JOB_ID_PATTERN, JobRequest, OutputTarget, format_validation_error
-from pagestream.producer.wire import JOB_FIELD, EventDeduper, UntrustedJSONError, decode_out_entry, loads_untrusted
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.redis_conn import queue_script
+from pagestream.producer.protocol.schema import JOB_ID_PATTERN, JobRequest, OutputTarget, format_validation_error
+from pagestream.producer.protocol.wire import JOB_FIELD, EventDeduper, UntrustedJSONError, decode_out_entry, loads_untrusted
 from pagestream.worker.consumer import Delivery, entry_size
 
 _JOB_ID_RE = re.compile(JOB_ID_PATTERN)
@@ -109,7 +109,7 @@ def load_history(client: redis.Redis, jobs: list[ActiveJob]) -> None:
 
 # KEYS: job hash. ARGV: entry id, lane key. A job's state for intake, and whether this entry is
 # the job's one entry: the first entry named in the hash wins, by the producer's settle step or
-# here, whichever comes first (producer.client_core, RESERVE_LUA). Returns {status, cancel_requested, won}.
+# here, whichever comes first (producer.client.core, RESERVE_LUA). Returns {status, cancel_requested, won}.
 _CLAIM_LUA = """
 local st, cr, e, l = unpack(redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'entry_id', 'entry_lane'))
 local won = 1

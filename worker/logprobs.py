@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagestream.producer.schema import MIN_LOGPROB
+from pagestream.producer.protocol.schema import MIN_LOGPROB
 
 
 def _finite(lp: float) -> float:

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import redis
 
-from pagestream.producer import keys
-from pagestream.producer.redis_conn import is_cluster
-from pagestream.producer.schema import JobResult, JobStatus
-from pagestream.producer.wire import end_fields, token_event_fields
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.redis_conn import is_cluster
+from pagestream.producer.protocol.schema import JobResult, JobStatus
+from pagestream.producer.protocol.wire import end_fields, token_event_fields
 from pagestream.worker.consumer import Consumer, Delivery
 from pagestream.worker.slot_batch import SlotBatch
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from pagestream.producer.schema import JobRequest, JobResult, JobStatus, OutputTarget, SampleResult
+from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, OutputTarget, SampleResult
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
 from pagestream.worker.jobs import ActiveJob, NoAckPipe, SampleOutput, salvage

@@ -15,7 +15,7 @@ import time
 
 import redis
 
-from pagestream.producer import keys
+from pagestream.producer.protocol import keys
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from typing import Optional
 
 import typer
 
-from pagestream.producer.redaction import install_log_redaction, redact_url
-from pagestream.producer.settings import REDIS_URL_ENV
-from pagestream.worker.cli_common import resolve_url
+from pagestream.producer.protocol.redaction import install_log_redaction, redact_url
+from pagestream.producer.protocol.settings import REDIS_URL_ENV
+from pagestream.producer.protocol.cli import resolve_url
 
 RedisUrl = typer.Option(None, "--redis-url", envvar=list(REDIS_URL_ENV), show_envvar=True,
                         show_default="gateway: redis://localhost:6379/0; serve: an embedded one",
@@ -33,7 +33,7 @@ MaxQueueDepth = typer.Option(None, "--max-queue-depth", envvar="PAGESTREAM_GATEW
 
 
 def _settings(redis_url: str, host: str, port: int, api_keys: str | None, max_queue_depth: int | None):
-    from pagestream.producer.gateway import GatewaySettings
+    from pagestream.producer.gateway.app import GatewaySettings
 
     fields = {"redis_url": redis_url, "host": host, "port": port, "api_keys": api_keys, "max_queue_depth": max_queue_depth}
     return GatewaySettings(**{k: v for k, v in fields.items() if v is not None})
@@ -48,7 +48,7 @@ def gateway(
     log_level: str = typer.Option("INFO", "--log-level", envvar="PAGESTREAM_LOG_LEVEL", show_envvar=True, help="DEBUG | INFO | WARNING | ERROR"),
 ) -> None:
     """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) over the queue."""
-    from pagestream.producer.gateway import run
+    from pagestream.producer.gateway.app import run
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
@@ -86,7 +86,7 @@ def serve(
     log_level: str = typer.Option("WARNING", "--log-level", help="DEBUG | INFO | WARNING | ERROR"),
 ) -> None:
     """One-command server: gateway + a worker for MODEL (+ an embedded Redis when none is configured)."""
-    from pagestream.producer.gateway import run
+    from pagestream.producer.gateway.app import run
     from pagestream.worker.demo import _stop, ensure_redis
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -9,9 +9,9 @@ from typing import Annotated
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from pagestream.producer import keys
-from pagestream.producer.limits import job_limits
-from pagestream.producer.settings import DEFAULT_REDIS_URL, REDIS_URL_ENV, S3_ENDPOINT_ENV
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.limits import job_limits
+from pagestream.producer.protocol.settings import DEFAULT_REDIS_URL, REDIS_URL_ENV, S3_ENDPOINT_ENV
 
 
 def default_consumer_name() -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from redis.crc import key_slot
 
-from pagestream.producer.redis_conn import queue_script
+from pagestream.producer.protocol.redis_conn import queue_script
 
 # KEYS: the keys of one slot (they route the script). ARGV: commands, each as its argument
 # count followed by its arguments. Returns the error messages of refused commands.

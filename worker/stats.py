@@ -1,6 +1,6 @@
 """What ``pagestream stats`` shows: per lane length, pending, consumers and idle time, DLQ, jobs/s.
 
-On Redis Cluster a lane is several streams (``producer.lanes``): its figures are summed over
+On Redis Cluster a lane is several streams (``producer.protocol.lanes``): its figures are summed over
 them, and a consumer's idle time is the shortest it has on any of them.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import redis
 
-from pagestream.producer import keys
-from pagestream.producer.lanes import resolve_layout
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.lanes import resolve_layout
 
 
 def _s(v: Any) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 from pagestream.engine.errors import EngineDeadError
-from pagestream.producer.schema import JobStatus
+from pagestream.producer.protocol.schema import JobStatus
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
 from pagestream.worker.control import ControlThread

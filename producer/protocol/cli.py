@@ -9,7 +9,7 @@ from typing import NoReturn, Optional
 
 import typer
 
-from pagestream.producer.settings import DEFAULT_REDIS_URL, REDIS_URL_ENV, redis_url
+from pagestream.producer.protocol.settings import DEFAULT_REDIS_URL, REDIS_URL_ENV, redis_url
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2

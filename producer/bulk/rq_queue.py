@@ -9,7 +9,7 @@ function a job names (``subprocess.check_call`` included), and unpickles a job's
 in the worker with ``UnsafeJobError`` before any import happens.
 
 Plain ``rq`` works too when told the same: ``rq worker pagestream-bulk
--S rq.serializers.JSONSerializer --job-class producer.bulk_rq.BulkJob``.
+-S rq.serializers.JSONSerializer --job-class producer.bulk.rq_queue.BulkJob``.
 """
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from pagestream.producer.redis_conn import is_cluster, same_server
-from pagestream.producer.settings import rq_redis_url
+from pagestream.producer.protocol.redis_conn import is_cluster, same_server
+from pagestream.producer.protocol.settings import rq_redis_url
 
 #: the RQ queue bulk orchestration jobs go to
 BULK_QUEUE = "pagestream-bulk"
 #: the importable function an RQ worker runs; enqueue it with the bulk id as its only argument
-RUN_BULK_FUNC = "pagestream.producer.bulk_orchestrator.run_bulk"
+RUN_BULK_FUNC = "pagestream.producer.bulk.orchestrator.run_bulk"
 #: every function a bulk-queue job may name
 ALLOWED_FUNCS = frozenset({RUN_BULK_FUNC})
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable, Iterator
 from urllib.parse import urlparse
 
-from pagestream.producer.bulk_storage import (
+from pagestream.producer.bulk.storage import (
     _READ_CHUNK_BYTES,
     ConflictError,
     ObjectInfo,

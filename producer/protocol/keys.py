@@ -110,7 +110,7 @@ def out_stream(job_id: str) -> str:
 
 def stream_mux_wake(instance: str) -> str:
     """Stream one process's shared job-stream reader also blocks on: XADDed to when a job stream joins
-    while that read is in flight (``producer.client_mux``). Short TTL, deleted on close."""
+    while that read is in flight (``producer.client.mux``). Short TTL, deleted on close."""
     return f"{PREFIX}:mux:{instance}"
 
 
@@ -129,7 +129,7 @@ def bench_stream(name: str) -> str:
     return f"{PREFIX}:bench:{name}"
 
 
-# ---- bulk path (producer.bulk, producer.bulk_orchestrator, worker.bulk_sink) ----
+# ---- bulk path (producer.bulk.api, producer.bulk.orchestrator, worker.bulk_sink) ----
 def bulk_hash(bulk_id: str) -> str:
     """Status hash: status, spec, checkpoint (line, offset), request counts, error."""
     return f"{PREFIX}:bulk:{{{bulk_id}}}"
@@ -165,7 +165,7 @@ def bulk_index() -> str:
     return f"{PREFIX}:bulks"
 
 
-# ---- OpenAI files (producer.batches: /v1/files in the gateway) ----
+# ---- OpenAI files (producer.bulk.batches: /v1/files in the gateway) ----
 def file_hash(file_id: str) -> str:
     """An uploaded (or batch output) file's record: name, bytes, purpose, where its content lives."""
     return f"{PREFIX}:file:{{{file_id}}}"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagestream.producer.schema import JobRequest, TokenEvent
-from pagestream.producer.untrusted import MAX_JSON_DEPTH, UntrustedJSONError, loads_untrusted  # noqa: F401 (re-exported)
+from pagestream.producer.protocol.schema import JobRequest, TokenEvent
+from pagestream.producer.protocol.untrusted import MAX_JSON_DEPTH, UntrustedJSONError, loads_untrusted  # noqa: F401 (re-exported)
 
 #: field of a lane-stream entry holding the JobRequest JSON
 JOB_FIELD = "job"

@@ -15,7 +15,7 @@ It is safe to run again at any point (an RQ retry, a rescue after ``kill -9``):
   each custom_id once (SADD) after its part is durable;
 - finalize compacts the parts recorded in the status hash (``bulk_finalize``);
 - a Redis outage is ridden out: every command retries with backoff
-  (``producer.redis_conn``), a checkpoint commit whose reply was lost is not
+  (``producer.protocol.redis_conn``), a checkpoint commit whose reply was lost is not
   applied twice, and a lease that expired while Redis was away is taken back
   unless another orchestrator took it or the bulk ended meanwhile.
 """
@@ -31,17 +31,17 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from pagestream.producer import keys
-from pagestream.producer.bulk import LEASE_S, BulkSpec, BulkStatus, load_spec, request_counts
-from pagestream.producer.bulk_finalize import PARTS_PREFIX, compact, list_parts, manifest_header, remove_parts
-from pagestream.producer.bulk_io import CHAT_URL, COMPLETIONS_URL, BadLine, BulkRequest, bad_line_entry, max_line_bytes, parse_line, request_id
-from pagestream.producer.bulk_storage import StorageError, StorageSettings, open_input, open_storage
-from pagestream.producer.client import Producer
-from pagestream.producer.limits import job_limits
-from pagestream.producer.redis_conn import is_cluster, outage_proof, outage_retry, same_server
-from pagestream.producer.settings import redis_url as main_redis_url
-from pagestream.producer.settings import rq_redis_url
-from pagestream.producer.schema import JobRequest, OutputTarget, format_validation_error
+from pagestream.producer.protocol import keys
+from pagestream.producer.bulk.api import LEASE_S, BulkSpec, BulkStatus, load_spec, request_counts
+from pagestream.producer.bulk.finalize import PARTS_PREFIX, compact, list_parts, manifest_header, remove_parts
+from pagestream.producer.bulk.io import CHAT_URL, COMPLETIONS_URL, BadLine, BulkRequest, bad_line_entry, max_line_bytes, parse_line, request_id
+from pagestream.producer.bulk.storage import StorageError, StorageSettings, open_input, open_storage
+from pagestream.producer.client.producer import Producer
+from pagestream.producer.protocol.limits import job_limits
+from pagestream.producer.protocol.redis_conn import is_cluster, outage_proof, outage_retry, same_server
+from pagestream.producer.protocol.settings import redis_url as main_redis_url
+from pagestream.producer.protocol.settings import rq_redis_url
+from pagestream.producer.protocol.schema import JobRequest, OutputTarget, format_validation_error
 
 log = logging.getLogger(__name__)
 
@@ -398,7 +398,7 @@ class Orchestrator:
                         mapping["input_done"] = "1"
                     if mapping:
                         pipe.hset(self.key, mapping=mapping)
-                    if jobs:  # the Batch object's endpoint, for bulks not created with one (producer.batches)
+                    if jobs:  # the Batch object's endpoint, for bulks not created with one (producer.bulk.batches)
                         pipe.hsetnx(self.key, "endpoint", CHAT_URL if "messages" in jobs[0] else COMPLETIONS_URL)
                     pipe.hincrby(self.key, "submitted", len(jobs))
                     pipe.hincrby(self.key, "invalid", len(bad))

@@ -23,8 +23,8 @@ from typing import Any
 
 from redis.backoff import ExponentialBackoff
 
-from pagestream.producer import keys
-from pagestream.producer.client_core import Failed
+from pagestream.producer.protocol import keys
+from pagestream.producer.client.core import Failed
 
 log = logging.getLogger(__name__)
 

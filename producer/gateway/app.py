@@ -4,7 +4,7 @@ Each request is checked here (JSON, schema, ranges, model served, context length
 queue depth, API key) and becomes one job on the model's lanes; a bad request
 gets OpenAI's error shape and never reaches a worker. Streaming responses are
 server-sent events built from ``AsyncProducer.follow``, every open stream read
-through one shared XREAD (``producer.client_mux``); a client that goes away
+through one shared XREAD (``producer.client.mux``); a client that goes away
 has its job cancelled (the worker aborts it within one step, freeing its KV blocks).
 """
 from __future__ import annotations
@@ -28,12 +28,12 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagestream.producer import keys
-from pagestream.producer.bulk_rq import BULK_QUEUE
-from pagestream.producer.client import AsyncProducer
-from pagestream.producer.gateway_asgi import Accounting, EventStream
-from pagestream.producer.gateway_batches import add_batch_routes
-from pagestream.producer.gateway_openai import (
+from pagestream.producer.protocol import keys
+from pagestream.producer.bulk.rq_queue import BULK_QUEUE
+from pagestream.producer.client.producer import AsyncProducer
+from pagestream.producer.gateway.asgi import Accounting, EventStream
+from pagestream.producer.gateway.batches import add_batch_routes
+from pagestream.producer.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GatewayError,
@@ -45,9 +45,9 @@ from pagestream.producer.gateway_openai import (
     to_job,
     usage_chunk,
 )
-from pagestream.producer.redis_conn import connect_async, url_is_cluster
-from pagestream.producer.schema import JobResult, JobStatus, format_validation_error
-from pagestream.producer.untrusted import UntrustedJSONError, loads_untrusted
+from pagestream.producer.protocol.redis_conn import connect_async, url_is_cluster
+from pagestream.producer.protocol.schema import JobResult, JobStatus, format_validation_error
+from pagestream.producer.protocol.untrusted import UntrustedJSONError, loads_untrusted
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from typing import Any
 import redis
 from redis.backoff import ExponentialBackoff
 
-from pagestream.producer import keys
-from pagestream.producer.lanes import SINGLE, LaneLayout, layout_args
-from pagestream.producer.redis_conn import queue_script
-from pagestream.producer.schema import JobRequest, JobResult, JobStatus, TokenEvent
-from pagestream.producer.wire import END_TYPE, JOB_FIELD, TYPE_FIELD, EventDeduper, decode_out_entry, is_end_entry, job_fields
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.lanes import SINGLE, LaneLayout, layout_args
+from pagestream.producer.protocol.redis_conn import queue_script
+from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, TokenEvent
+from pagestream.producer.protocol.wire import END_TYPE, JOB_FIELD, TYPE_FIELD, EventDeduper, decode_out_entry, is_end_entry, job_fields
 
 _FINAL = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_final)
 

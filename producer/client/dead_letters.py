@@ -15,9 +15,9 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from pagestream.producer import keys
-from pagestream.producer.schema import DeadLetter, JobRequest, format_validation_error
-from pagestream.producer.wire import JOB_FIELD
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.schema import DeadLetter, JobRequest, format_validation_error
+from pagestream.producer.protocol.wire import JOB_FIELD
 
 _PAYLOAD = "payload:"
 

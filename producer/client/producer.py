@@ -1,7 +1,7 @@
 """Producers: submit jobs to lane streams, follow their tokens, read results, cancel.
 
 ``Producer`` is synchronous (redis-py), ``AsyncProducer`` the same API on
-``redis.asyncio``; both run the one core in ``producer.client_core`` and differ
+``redis.asyncio``; both run the one core in ``producer.client.core`` and differ
 only in how they talk to Redis. Submission is idempotent by job id: submitting a
 job id that already exists is a no-op that returns the id (a Lua script checks
 the job hash and XADDs atomically, so a retried request never enqueues twice).
@@ -25,7 +25,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
 
-from pagestream.producer.client_core import (
+from pagestream.producer.client.core import (
     SCRIPTS,
     TRANSIENT_ERRORS,
     Emit,
@@ -38,10 +38,10 @@ from pagestream.producer.client_core import (
     build_request,
     call_script,
 )
-from pagestream.producer.client_mux import StreamMux
-from pagestream.producer.lanes import LaneLayout
-from pagestream.producer.redis_conn import connect, connect_async, is_cluster
-from pagestream.producer.schema import JobRequest, JobResult, JobStatus, TokenEvent
+from pagestream.producer.client.mux import StreamMux
+from pagestream.producer.protocol.lanes import LaneLayout
+from pagestream.producer.protocol.redis_conn import connect, connect_async, is_cluster
+from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, TokenEvent
 
 _ASYNC_PIPELINES = (aioredis.client.Pipeline, AsyncClusterPipeline)
 
@@ -233,7 +233,7 @@ class AsyncProducer:
 
     ``multiplex_reads=True`` (for a process that follows many jobs at once, like the gateway):
     every ``stream`` and ``result`` waiting at the same time shares one blocking XREAD
-    (``producer.client_mux``) instead of holding a connection each. Ignored on Redis Cluster,
+    (``producer.client.mux``) instead of holding a connection each. Ignored on Redis Cluster,
     where one XREAD cannot span the jobs' slots.
     """
 

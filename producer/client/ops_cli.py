@@ -1,7 +1,7 @@
 """Operations commands: ``pagestream cancel|status JOB`` and ``pagestream dlq list|show|retry``.
 
 No torch and no engine here; ``worker/cli.py`` mounts them. A job or dead letter that does
-not exist is exit status 2 with one line on stderr (see ``worker/cli_common.py``).
+not exist is exit status 2 with one line on stderr (see ``producer/protocol/cli.py``).
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Optional
 import redis
 import typer
 
-from pagestream.producer import keys
-from pagestream.producer.redis_conn import connect
-from pagestream.worker.cli_common import fail, redis_url_option, resolve_url
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.redis_conn import connect
+from pagestream.producer.protocol.cli import fail, redis_url_option, resolve_url
 
 
 def _client(url: str | None) -> redis.Redis:
@@ -87,7 +87,7 @@ def dlq_list(
     as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
 ) -> None:
     """The newest dead letters: id, job, lane, deliveries, reason."""
-    from pagestream.worker.dead_letters import list_dead_letters
+    from pagestream.producer.client.dead_letters import list_dead_letters
 
     entries = list_dead_letters(_client(redis_url), count)
     for e in entries:
@@ -106,7 +106,7 @@ def dlq_show(
     redis_url: Optional[str] = redis_url_option(),
 ) -> None:
     """One dead letter as JSON, payload included."""
-    from pagestream.worker.dead_letters import DeadLetterNotFound, get_dead_letter
+    from pagestream.producer.client.dead_letters import DeadLetterNotFound, get_dead_letter
 
     try:
         entry = get_dead_letter(_client(redis_url), dlq_id)
@@ -121,7 +121,7 @@ def dlq_retry(
     redis_url: Optional[str] = redis_url_option(),
 ) -> None:
     """Put dead-lettered jobs back on their lane (same job id); prints each job id."""
-    from pagestream.worker.dead_letters import DeadLetterNotFound, NotRetryable, retry_dead_letter
+    from pagestream.producer.client.dead_letters import DeadLetterNotFound, NotRetryable, retry_dead_letter
 
     client = _client(redis_url)
     for dlq_id in dlq_ids:

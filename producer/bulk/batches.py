@@ -2,9 +2,9 @@
 
 - A file is a record in Redis (``keys.file_hash``) and its content in the files
   storage: a local directory by default, an S3 prefix when configured (the same
-  ``producer.bulk_storage`` backends bulk input and output use). An upload is
+  ``producer.bulk.storage`` backends bulk input and output use). An upload is
   ``<file_id>.jsonl`` there.
-- A batch is a bulk (``producer.bulk``) whose input is an uploaded file and
+- A batch is a bulk (``producer.bulk.api``) whose input is an uploaded file and
   whose output goes to ``batches/<batch_id>/`` of the same storage. Its output
   and error files are the bulk's shards, concatenated on download; their ids are
   fixed (``file-<batch_id>-output`` / ``-errors``) and registered once the bulk
@@ -25,8 +25,8 @@ from typing import Any
 
 import redis
 
-from pagestream.producer import keys
-from pagestream.producer.bulk import (
+from pagestream.producer.protocol import keys
+from pagestream.producer.bulk.api import (
     BulkSpec,
     BulkStatus,
     cancel_bulk,
@@ -36,11 +36,11 @@ from pagestream.producer.bulk import (
     list_bulks,
     load_spec,
 )
-from pagestream.producer.bulk_finalize import MANIFEST
-from pagestream.producer.bulk_io import CHAT_URL, SUPPORTED_URLS
-from pagestream.producer.bulk_rq import BULK_QUEUE
-from pagestream.producer.bulk_storage import Storage, StorageSettings, open_storage
-from pagestream.producer.gateway_openai import GatewayError
+from pagestream.producer.bulk.finalize import MANIFEST
+from pagestream.producer.bulk.io import CHAT_URL, SUPPORTED_URLS
+from pagestream.producer.bulk.rq_queue import BULK_QUEUE
+from pagestream.producer.bulk.storage import Storage, StorageSettings, open_storage
+from pagestream.producer.gateway.protocol import GatewayError
 
 FILE_PURPOSES = ("batch",)
 #: OpenAI offers one completion window; a batch not done by then ends ``expired`` with what is done

@@ -1,6 +1,6 @@
 """The gateway's ``/v1/files`` and ``/v1/batches``: OpenAI's Batch API mapped onto bulk jobs.
 
-The objects and their storage are ``producer.batches``; this file is the HTTP
+The objects and their storage are ``producer.bulk.batches``; this file is the HTTP
 side only. Those calls block (redis-py, boto3), so each runs in a worker thread;
 a download streams the output shards as they are read.
 """
@@ -18,13 +18,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 
-from pagestream.producer.batches import FileStore, cancel_batch, create_batch, get_batch, list_batches
-from pagestream.producer.gateway_openai import GatewayError
-from pagestream.producer.redis_conn import connect
-from pagestream.producer.schema import format_validation_error
+from pagestream.producer.bulk.batches import FileStore, cancel_batch, create_batch, get_batch, list_batches
+from pagestream.producer.gateway.protocol import GatewayError
+from pagestream.producer.protocol.redis_conn import connect
+from pagestream.producer.protocol.schema import format_validation_error
 
 if TYPE_CHECKING:
-    from pagestream.producer.gateway import Gateway
+    from pagestream.producer.gateway.app import Gateway
 
 MAX_LIST_LIMIT = 10_000
 

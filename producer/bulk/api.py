@@ -1,6 +1,6 @@
 """Bulk dataset generation: the Python API web backends call.
 
-A bulk is one RQ job (``producer.bulk_orchestrator.run_bulk``, queue
+A bulk is one RQ job (``producer.bulk.orchestrator.run_bulk``, queue
 ``pagestream-bulk``, JSON serializer) that streams an OpenAI-batch JSONL input
 into lane jobs whose output target is the bulk, waits for the workers' part
 files, and compacts them into ``output-NNNNN.jsonl`` / ``errors-NNNNN.jsonl``
@@ -10,7 +10,7 @@ shards plus ``manifest.json``.
 >>> get_bulk(redis.Redis.from_url(url, decode_responses=True), bulk_id)["status"]
 'in_progress'
 
-Its bookkeeping lives in the status hash ``ps:bulk:{<id>}`` (see ``producer/keys.py``).
+Its bookkeeping lives in the status hash ``ps:bulk:{<id>}`` (see ``producer/protocol/keys.py``).
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ from typing import Any
 import redis
 from pydantic import BaseModel, Field
 
-from pagestream.producer import keys
-from pagestream.producer.bulk_rq import BULK_QUEUE, RUN_BULK_FUNC, bulk_queue, fetch_job_status, rq_connection
-from pagestream.producer.bulk_storage import AddressingStyle, StorageSettings
-from pagestream.producer.redis_conn import connect
-from pagestream.producer.schema import Lane
+from pagestream.producer.protocol import keys
+from pagestream.producer.bulk.rq_queue import BULK_QUEUE, RUN_BULK_FUNC, bulk_queue, fetch_job_status, rq_connection
+from pagestream.producer.bulk.storage import AddressingStyle, StorageSettings
+from pagestream.producer.protocol.redis_conn import connect
+from pagestream.producer.protocol.schema import Lane
 
 #: orchestrator lease: a dead orchestrator's bulk is picked up again this long after its last heartbeat
 LEASE_S = float(os.environ.get("PAGESTREAM_BULK_LEASE_S", "15"))
@@ -71,7 +71,7 @@ class BulkSpec(BaseModel):
     s3_addressing_style: AddressingStyle | None = None
     job_result_ttl_s: int = Field(3_600, ge=1)
     created_at: float = Field(default_factory=time.time)
-    # set by the gateway's /v1/batches: what OpenAI's Batch object reports (producer.batches)
+    # set by the gateway's /v1/batches: what OpenAI's Batch object reports (producer.bulk.batches)
     endpoint: str | None = None  # lines with another url become error lines
     input_file_id: str | None = None
     metadata: dict[str, str] | None = None

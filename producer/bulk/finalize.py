@@ -21,8 +21,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from pagestream.producer.bulk_io import PartEntry
-from pagestream.producer.bulk_storage import ObjectInfo, Storage
+from pagestream.producer.bulk.io import PartEntry
+from pagestream.producer.bulk.storage import ObjectInfo, Storage
 
 PARTS_PREFIX = "parts/"
 MANIFEST = "manifest.json"

@@ -2,7 +2,7 @@
 
 ``worker/cli.py`` mounts these:
 
-    from pagestream.worker.bulk_cli import bulk_app, bulk_worker
+    from pagestream.producer.bulk.cli import bulk_app, bulk_worker
     app.add_typer(bulk_app, name="bulk")
     app.command("bulk-worker")(bulk_worker)
 """
@@ -20,13 +20,13 @@ import redis
 import typer
 from rq import SimpleWorker
 
-from pagestream.producer.bulk import BULK_QUEUE, BulkStatus, cancel_bulk, dumps_status, get_bulk, list_bulks, rescue_stalled, submit_bulk
-from pagestream.producer.redaction import install_log_redaction
-from pagestream.producer.bulk_storage import is_s3, local_path
-from pagestream.producer.schema import Lane
-from pagestream.producer.settings import RQ_REDIS_URL_ENV, S3_ADDRESSING_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV
-from pagestream.producer.redis_conn import connect, is_cluster, outage_proof
-from pagestream.worker.cli_common import fail, redis_url_option, resolve_url
+from pagestream.producer.bulk.api import BULK_QUEUE, BulkStatus, cancel_bulk, dumps_status, get_bulk, list_bulks, rescue_stalled, submit_bulk
+from pagestream.producer.protocol.redaction import install_log_redaction
+from pagestream.producer.bulk.storage import is_s3, local_path
+from pagestream.producer.protocol.schema import Lane
+from pagestream.producer.protocol.settings import RQ_REDIS_URL_ENV, S3_ADDRESSING_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV
+from pagestream.producer.protocol.redis_conn import connect, is_cluster, outage_proof
+from pagestream.producer.protocol.cli import fail, redis_url_option, resolve_url
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def submit(
     if not is_s3(input) and not local_path(input).is_file():
         fail(f"input file {local_path(input).resolve()} does not exist")
     if rq_redis_url:
-        os.environ["PAGESTREAM_RQ_REDIS_URL"] = rq_redis_url  # where producer.bulk_rq enqueues
+        os.environ["PAGESTREAM_RQ_REDIS_URL"] = rq_redis_url  # where producer.bulk.rq_queue enqueues
     conn = _conn(redis_url)
     try:
         bulk_id = submit_bulk(input, out, connection=conn, model=model, lane=lane.value, shard_lines=shard_lines,
@@ -121,7 +121,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="print the full status as JSON"),
 ) -> None:
     """Show a bulk's status and request counts."""
-    from pagestream.producer.batches import batch_object
+    from pagestream.producer.bulk.batches import batch_object
 
     try:
         conn = _conn(redis_url)
@@ -183,13 +183,13 @@ def bulk_worker(
     rescue_interval_s: float = typer.Option(5.0, "--rescue-interval-s", help="how often to look for stalled bulks"),
     s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
 ) -> None:
-    """Run the RQ worker for bulk orchestration jobs (plain ``rq worker`` works too when given the same serializer and job class: see ``producer/bulk_rq.py``).
+    """Run the RQ worker for bulk orchestration jobs (plain ``rq worker`` works too when given the same serializer and job class: see ``producer/bulk/rq_queue.py``).
 
     Besides running jobs it re-enqueues bulks whose orchestrator died (lease expired).
     Once started it rides out Redis outages (``PAGESTREAM_REDIS_OUTAGE_S``, see
-    ``producer/redis_conn.py``); Redis unreachable at start is an error.
+    ``producer/protocol/redis_conn.py``); Redis unreachable at start is an error.
     """
-    from pagestream.producer.bulk import bulk_queue
+    from pagestream.producer.bulk.api import bulk_queue
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     install_log_redaction()

@@ -10,7 +10,7 @@ Both give the same small interface the orchestrator and the bulk sink need:
   a re-run that writes the same bytes (same sha256) is a no-op instead of an error.
 - ``list`` / ``open_lines`` / ``delete_many`` for compaction and cleanup.
 
-The S3 side lives in ``producer/bulk_s3.py`` (boto3 is imported only when an
+The S3 side lives in ``producer/bulk/s3.py`` (boto3 is imported only when an
 ``s3://`` URI is used).
 """
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Literal
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pagestream.producer.settings import ENV_PREFIX, S3_ADDRESSING_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV
+from pagestream.producer.protocol.settings import ENV_PREFIX, S3_ADDRESSING_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV
 
 if TYPE_CHECKING:
-    from pagestream.producer.bulk_s3 import S3Storage
+    from pagestream.producer.bulk.s3 import S3Storage
 
 _READ_CHUNK_BYTES = 1024 * 1024
 
@@ -257,7 +257,7 @@ Storage = Union[LocalStorage, "S3Storage"]
 def open_storage(uri: str, settings: StorageSettings | None = None, client=None) -> Storage:
     """The storage for a bulk output URI: ``s3://bucket/prefix``, ``file:///dir`` or a plain path."""
     if is_s3(uri):
-        from pagestream.producer.bulk_s3 import S3Storage
+        from pagestream.producer.bulk.s3 import S3Storage
 
         return S3Storage(uri, settings=settings, client=client)
     if "://" in uri and not uri.startswith("file://"):
@@ -268,7 +268,7 @@ def open_storage(uri: str, settings: StorageSettings | None = None, client=None)
 def open_input(uri: str, settings: StorageSettings | None = None) -> tuple[Storage, str]:
     """(storage, object name) for an input file URI, so it can be streamed with ``open_lines``."""
     if is_s3(uri):
-        from pagestream.producer.bulk_s3 import S3Storage, split_s3_uri
+        from pagestream.producer.bulk.s3 import S3Storage, split_s3_uri
 
         bucket, key = split_s3_uri(uri)
         if not key:

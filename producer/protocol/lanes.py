@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pagestream.producer import keys
+from pagestream.producer.protocol import keys
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def layout_args() -> tuple[str, str, int]:
 def resolve_layout(client) -> LaneLayout:
     """The layout of ``client``'s Redis: one stream per lane on a single node; on a cluster the
     stored shard count (storing ``PAGESTREAM_LANE_SHARDS`` first if none is stored yet)."""
-    from pagestream.producer.redis_conn import is_cluster
+    from pagestream.producer.protocol.redis_conn import is_cluster
 
     if not is_cluster(client):
         return SINGLE

@@ -3,7 +3,7 @@
 Everything here is pydantic v2 and free of torch/engine imports, so a web
 backend validates a job with the same rules the worker applies. Bad input
 raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field and
-what is allowed. Sizes are bounded by ``producer.limits`` (settings from the
+what is allowed. Sizes are bounded by ``producer.protocol.limits`` (settings from the
 environment), and nothing that JSON cannot carry back unchanged (NaN, infinity,
 lone surrogates, non-JSON metadata) is accepted, so a valid job survives the
 trip through a lane stream exactly.
@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_serializer, model_validator
 
-from pagestream.producer.limits import job_limits
-from pagestream.producer.untrusted import UntrustedJSONError, check_json_tree
+from pagestream.producer.protocol.limits import job_limits
+from pagestream.producer.protocol.untrusted import UntrustedJSONError, check_json_tree
 
 #: bump when a change to JobRequest/TokenEvent/JobResult is not backward compatible
 SCHEMA_VERSION = 1

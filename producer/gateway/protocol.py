@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagestream.producer.schema import JobRequest, JobResult, SampleResult, TokenLogprob
+from pagestream.producer.protocol.schema import JobRequest, JobResult, SampleResult, TokenLogprob
 
 
 class GatewayError(Exception):

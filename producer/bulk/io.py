@@ -19,10 +19,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pagestream.producer.gateway_openai import ChatMessageIn, GatewayError, chat_logprobs_k, completion_body
-from pagestream.producer.limits import job_limits
-from pagestream.producer.schema import MAX_LOGPROBS, JobResult, format_validation_error
-from pagestream.producer.untrusted import UntrustedJSONError, loads_untrusted
+from pagestream.producer.gateway.protocol import ChatMessageIn, GatewayError, chat_logprobs_k, completion_body
+from pagestream.producer.protocol.limits import job_limits
+from pagestream.producer.protocol.schema import MAX_LOGPROBS, JobResult, format_validation_error
+from pagestream.producer.protocol.untrusted import UntrustedJSONError, loads_untrusted
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"

@@ -1,0 +1,1 @@
+"""``pagestream gateway``: the OpenAI-compatible HTTP server, a producer like any other."""
