@@ -15,7 +15,6 @@ from typing import Optional
 
 import typer
 
-from pagestream.producer.protocol.schema import Lane
 from pagestream.producer.protocol.redaction import install_log_redaction, redact, redact_url
 from pagestream.producer.protocol.cli import EXIT_REDIS_DOWN, redis_url_option, resolve_url
 
@@ -177,90 +176,6 @@ def worker(
 
 
 @app.command()
-def submit(
-    prompt: str = typer.Argument(..., help="the prompt (use --chat to send it as a user message)"),
-    redis_url: Optional[str] = RedisUrl,
-    max_tokens: int = typer.Option(64, "--max-tokens", help="most tokens to generate"),
-    temperature: float = typer.Option(1.0, "--temperature", help="sampling temperature (0: greedy)"),
-    top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling: keep the smallest set of tokens with this much probability"),
-    seed: Optional[int] = typer.Option(None, "--seed", show_default="none (unseeded)", help="sampling seed (a resumed job repeats its text exactly)"),
-    lane: Lane = typer.Option(Lane.NORMAL, "--lane", help="priority lane: workers read high before normal before low"),
-    job_id: Optional[str] = typer.Option(None, "--job-id", show_default="a new id", help="job id (submitting an existing id again is a no-op)"),
-    chat: bool = typer.Option(False, "--chat", help="apply the model's chat template"),
-    system: Optional[str] = typer.Option(None, "--system", show_default="none", help="system message (implies --chat)"),
-    stream: bool = typer.Option(False, "--stream", help="print tokens live"),
-    as_json: bool = typer.Option(False, "--json", help="print the final JobResult as JSON"),
-    timeout: Optional[float] = typer.Option(None, "--timeout", show_default="no limit", help="seconds to wait for the result"),
-    no_wait: bool = typer.Option(False, "--no-wait", help="print the job id and return"),
-) -> None:
-    """Submit one job; print its text (or the result as JSON)."""
-    from pydantic import ValidationError
-
-    from pagestream.producer import Producer
-    from pagestream.producer.protocol.schema import format_validation_error
-
-    fields: dict = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, lane=lane.value, job_id=job_id)
-    if chat or system:
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        fields["messages"] = msgs
-    else:
-        fields["prompt"] = prompt
-    with Producer.from_url(_url(redis_url)) as p:
-        try:
-            jid = p.submit(**fields)
-        except ValidationError as exc:
-            typer.echo(f"error: {format_validation_error(exc)}", err=True)
-            raise typer.Exit(2)
-        if no_wait:
-            typer.echo(jid)
-            return
-        if stream:
-            for ev in p.stream(jid, timeout=timeout):
-                if not as_json:
-                    sys.stdout.write(ev.text)
-                    sys.stdout.flush()
-        res = p.result(jid, timeout=timeout)
-        if as_json:
-            typer.echo(res.model_dump_json())
-        elif not stream:
-            typer.echo(res.text)
-        else:
-            typer.echo("")
-        if res.status.value != "completed":
-            typer.echo(f"job {jid} {res.status.value}: {res.error}", err=True)
-            raise typer.Exit(1)
-
-
-@app.command()
-def tail(
-    job_id: str = typer.Argument(..., help="the job to follow"),
-    redis_url: Optional[str] = RedisUrl,
-    from_index: int = typer.Option(0, "--from-index", help="skip the tokens before this index (a subscriber resuming)"),
-    as_json: bool = typer.Option(False, "--json", help="one TokenEvent JSON per line"),
-    timeout: Optional[float] = typer.Option(None, "--timeout", show_default="no limit", help="seconds to wait for the next token"),
-) -> None:
-    """Follow a job's token stream until it ends."""
-    from pagestream.producer import Producer
-    from pagestream.producer.client.producer import JobNotFound
-
-    with Producer.from_url(_url(redis_url)) as p:
-        try:
-            for ev in p.stream(job_id, from_index=from_index, timeout=timeout):
-                if as_json:
-                    typer.echo(ev.model_dump_json())
-                else:
-                    sys.stdout.write(ev.text)
-                    sys.stdout.flush()
-        except JobNotFound:
-            typer.echo(f"error: no job {job_id}", err=True)
-            raise typer.Exit(1)
-        if not as_json:
-            typer.echo("")
-        st = p.status(job_id)
-        typer.echo(f"[{job_id}: {st.value if st else 'unknown'}]", err=True)
-
-
-@app.command()
 def stats(
     redis_url: Optional[str] = RedisUrl,
     as_json: bool = typer.Option(False, "--json", help="print the figures as JSON"),
@@ -275,7 +190,7 @@ def stats(
     typer.echo(json.dumps(data, indent=2) if as_json else format_stats(data))
 
 
-try:  # the bulk commands live with the bulk sink (issue 5)
+try:  # the bulk commands live with the bulk path (producer/bulk/cli.py)
     from pagestream.producer.bulk.cli import bulk_app, bulk_worker
 
     app.add_typer(bulk_app, name="bulk")
@@ -283,13 +198,16 @@ try:  # the bulk commands live with the bulk sink (issue 5)
 except ImportError:
     pass
 
-from pagestream.worker.serve_cli import gateway, serve  # noqa: E402  (the OpenAI-compatible server, issue 10)
+from pagestream.producer.gateway.cli import gateway  # noqa: E402  (the OpenAI-compatible server)
+from pagestream.worker.serve_cli import serve  # noqa: E402
 
 app.command("gateway")(gateway)
 app.command("serve")(serve)
 
-from pagestream.producer.client.ops_cli import cancel, dlq_app, status  # noqa: E402  (operations, issue 13)
+from pagestream.producer.client.cli import cancel, dlq_app, status, submit, tail  # noqa: E402  (the client's commands)
 
+app.command("submit")(submit)
+app.command("tail")(tail)
 app.command("cancel")(cancel)
 app.command("status")(status)
 app.add_typer(dlq_app, name="dlq")
