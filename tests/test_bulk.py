@@ -339,7 +339,7 @@ def test_backend_enqueues_the_documented_function_itself(redis_url, tmp_path):
 def test_finalize_rerun_after_crash_mid_upload_is_idempotent(s3, bucket, moto_url):
     """A finalize that died after some shards were written re-runs to the same bytes (write-once shards)."""
     from pagestream.producer.bulk.finalize import compact
-    from pagestream.producer.bulk.io import PartEntry
+    from pagestream.producer.bulk.parts import PartEntry
 
     st = S3Storage(f"s3://{bucket}/out", StorageSettings(s3_endpoint_url=moto_url))
     entries = [PartEntry(line=i, custom_id=f"c{i}", ok=i % 7 != 0, record={"custom_id": f"c{i}", "n": i})

@@ -28,7 +28,7 @@ import redis
 
 from pagestream.producer.protocol import keys
 from pagestream.producer.bulk.api import BulkSpec, BulkStatus
-from pagestream.producer.bulk.io import PartEntry, line_of_job_id, result_entry
+from pagestream.producer.bulk.parts import PartEntry, line_of_job_id, result_entry
 from pagestream.producer.bulk.storage import Storage, StorageError, StorageSettings, open_storage
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
-"""``pagestream gateway`` (the OpenAI-compatible HTTP server alone) and ``pagestream serve``
-(gateway + one worker + an embedded Redis when none is configured, in one command).
+"""``pagestream serve``: gateway + one worker + an embedded Redis when none is configured, in one command
+(``pagestream gateway``, the HTTP server alone, lives with the gateway: ``producer/gateway/cli.py``).
 
-Neither imports the engine: ``serve`` runs the worker as a child process
+It does not import the engine: it runs the worker as a child process
 (``pagestream worker --served-model-name M``) so the gateway's event loop and the
 engine's step never share a GIL.
 """
@@ -17,44 +17,8 @@ from typing import Optional
 
 import typer
 
+from pagestream.producer.gateway.cli import ApiKeys, Host, MaxQueueDepth, Port, RedisUrl, gateway_settings
 from pagestream.producer.protocol.redaction import install_log_redaction, redact_url
-from pagestream.producer.protocol.settings import REDIS_URL_ENV
-from pagestream.producer.protocol.cli import resolve_url
-
-RedisUrl = typer.Option(None, "--redis-url", envvar=list(REDIS_URL_ENV), show_envvar=True,
-                        show_default="gateway: redis://localhost:6379/0; serve: an embedded one",
-                        help="Redis URL (a single node or any node of a Redis Cluster)")
-Host = typer.Option("127.0.0.1", "--host", envvar="PAGESTREAM_GATEWAY_HOST", show_envvar=True, help="address the HTTP server binds")
-Port = typer.Option(8000, "--port", envvar="PAGESTREAM_GATEWAY_PORT", show_envvar=True, help="port the HTTP server listens on")
-ApiKeys = typer.Option(None, "--api-keys", envvar="PAGESTREAM_GATEWAY_API_KEYS", show_envvar=True, show_default="none needed",
-                       help="comma-separated Bearer keys")
-MaxQueueDepth = typer.Option(None, "--max-queue-depth", envvar="PAGESTREAM_GATEWAY_MAX_QUEUE_DEPTH", show_envvar=True,
-                             show_default="no limit", help="answer 429 while a model has this many jobs waiting")
-
-
-def _settings(redis_url: str, host: str, port: int, api_keys: str | None, max_queue_depth: int | None):
-    from pagestream.producer.gateway.app import GatewaySettings
-
-    fields = {"redis_url": redis_url, "host": host, "port": port, "api_keys": api_keys, "max_queue_depth": max_queue_depth}
-    return GatewaySettings(**{k: v for k, v in fields.items() if v is not None})
-
-
-def gateway(
-    redis_url: Optional[str] = RedisUrl,
-    host: str = Host,
-    port: int = Port,
-    api_keys: Optional[str] = ApiKeys,
-    max_queue_depth: Optional[int] = MaxQueueDepth,
-    log_level: str = typer.Option("INFO", "--log-level", envvar="PAGESTREAM_LOG_LEVEL", show_envvar=True, help="DEBUG | INFO | WARNING | ERROR"),
-) -> None:
-    """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) over the queue."""
-    from pagestream.producer.gateway.app import run
-
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    install_log_redaction()
-    settings = _settings(resolve_url(redis_url), host, port, api_keys, max_queue_depth)
-    print(f"gateway on http://{settings.host}:{settings.port}/v1 (redis {redact_url(settings.redis_url)})", flush=True)
-    run(settings)
 
 
 def resolve_model(model: str) -> str:
@@ -111,7 +75,7 @@ def serve(
         if worker.poll() is not None:
             raise typer.Exit(1)
         threading.Thread(target=lambda: [sys.stdout.write(f"[worker] {ln}") for ln in worker.stdout], daemon=True).start()
-        settings = _settings(redis_url, host, port, api_keys, max_queue_depth)
+        settings = gateway_settings(redis_url, host, port, api_keys, max_queue_depth)
         print(f"serving {name!r} on http://{settings.host}:{settings.port}/v1 (redis {redact_url(redis_url)})", flush=True)
         # uvicorn re-raises the SIGTERM it caught once it has shut down; as an exception (not the
         # default handler's instant exit) it lets the finally below stop the worker and the Redis.

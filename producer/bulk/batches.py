@@ -1,4 +1,5 @@
-"""OpenAI's File and Batch objects over bulk jobs: what ``/v1/files`` and ``/v1/batches`` serve (no HTTP here).
+"""OpenAI's File and Batch objects over bulk jobs: what ``/v1/files`` and ``/v1/batches`` serve (no HTTP here:
+errors are ``producer.protocol.errors``' ``NotFound`` and ``RequestError``, which the gateway maps).
 
 - A file is a record in Redis (``keys.file_hash``) and its content in the files
   storage: a local directory by default, an S3 prefix when configured (the same
@@ -40,7 +41,7 @@ from pagestream.producer.bulk.finalize import MANIFEST
 from pagestream.producer.bulk.io import CHAT_URL, SUPPORTED_URLS
 from pagestream.producer.bulk.rq_queue import BULK_QUEUE
 from pagestream.producer.bulk.storage import Storage, StorageSettings, open_storage
-from pagestream.producer.gateway.protocol import GatewayError
+from pagestream.producer.protocol.errors import NotFound, RequestError
 
 FILE_PURPOSES = ("batch",)
 #: OpenAI offers one completion window; a batch not done by then ends ``expired`` with what is done
@@ -51,10 +52,6 @@ _DOWNLOAD_CHUNK_BYTES = 1024 * 1024
 
 def _text(v: Any) -> Any:
     return v.decode("utf-8") if isinstance(v, bytes) else v
-
-
-def _not_found(what: str, ident: str, param: str | None = None) -> GatewayError:
-    return GatewayError(404, f"No such {what}: '{ident}'", param=param, code="not_found")
 
 
 def _storage_settings(spec: BulkSpec | None = None, settings: StorageSettings | None = None) -> StorageSettings:
@@ -82,7 +79,7 @@ class FileStore:
     def create(self, src_path: str, filename: str, purpose: str) -> dict[str, Any]:
         """Store an upload (a local temp file) and return its ``FileObject``."""
         if purpose not in FILE_PURPOSES:
-            raise GatewayError(400, f"purpose must be one of {list(FILE_PURPOSES)}, got {purpose!r}", param="purpose")
+            raise RequestError(f"purpose must be one of {list(FILE_PURPOSES)}, got {purpose!r}", param="purpose")
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         name = f"{file_id}.jsonl"
         info = self.storage.put_file_once(name, src_path)
@@ -108,7 +105,7 @@ class FileStore:
             if m and register_outputs(self, m.group(1)):  # a final batch this gateway has not shown yet
                 raw = self.conn.hget(keys.file_hash(file_id), "record")
         if raw is None:
-            raise _not_found("file", file_id, "file_id")
+            raise NotFound("file", file_id, "file_id")
         return json.loads(_text(raw))
 
     def get(self, file_id: str) -> dict[str, Any]:
@@ -161,7 +158,7 @@ class FileStore:
     def input_uri(self, file_id: str) -> str:
         rec = self.record(file_id)
         if rec["purpose"] != "batch":
-            raise GatewayError(400, f"file {file_id} has purpose {rec['purpose']!r}; a batch needs purpose 'batch'",
+            raise RequestError(f"file {file_id} has purpose {rec['purpose']!r}; a batch needs purpose 'batch'",
                                param="input_file_id")
         return self._storage_of(rec).describe(rec["names"][0])
 
@@ -269,9 +266,9 @@ def create_batch(
 ) -> dict[str, Any]:
     """Start a bulk over an uploaded file (``POST /v1/batches``); returns its ``Batch``."""
     if endpoint not in SUPPORTED_URLS:
-        raise GatewayError(400, f"endpoint must be one of {list(SUPPORTED_URLS)}, got {endpoint!r}", param="endpoint")
+        raise RequestError(f"endpoint must be one of {list(SUPPORTED_URLS)}, got {endpoint!r}", param="endpoint")
     if completion_window not in COMPLETION_WINDOWS:
-        raise GatewayError(400, f"completion_window must be one of {list(COMPLETION_WINDOWS)}, got {completion_window!r}",
+        raise RequestError(f"completion_window must be one of {list(COMPLETION_WINDOWS)}, got {completion_window!r}",
                            param="completion_window")
     input_uri = files.input_uri(input_file_id)
     bulk_id = f"batch_{uuid.uuid4().hex[:24]}"
@@ -286,14 +283,14 @@ def get_batch(conn: redis.Redis, files: FileStore | None, batch_id: str) -> dict
     try:
         return batch_object(conn, batch_id, files)
     except KeyError:
-        raise _not_found("batch", batch_id, "batch_id") from None
+        raise NotFound("batch", batch_id, "batch_id") from None
 
 
 def cancel_batch(conn: redis.Redis, files: FileStore | None, batch_id: str) -> dict[str, Any]:
     try:
         cancel_bulk(conn, batch_id)
     except KeyError:
-        raise _not_found("batch", batch_id, "batch_id") from None
+        raise NotFound("batch", batch_id, "batch_id") from None
     return batch_object(conn, batch_id, files)
 
 

@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from pagestream.producer.bulk.io import PartEntry
+from pagestream.producer.bulk.parts import PartEntry
 from pagestream.producer.bulk.storage import ObjectInfo, Storage
 
 PARTS_PREFIX = "parts/"

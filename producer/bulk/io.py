@@ -12,20 +12,23 @@ nesting bomb or a line of hundreds of MiB is one error line, not a stalled bulk.
 """
 from __future__ import annotations
 
-import json
 import reprlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pagestream.producer.gateway.protocol import ChatMessageIn, GatewayError, chat_logprobs_k, completion_body
+from pagestream.producer.protocol.errors import RequestError
+from pagestream.producer.protocol.openai import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    ChatMessageIn,
+    chat_logprobs_k,
+)
 from pagestream.producer.protocol.limits import job_limits
-from pagestream.producer.protocol.schema import MAX_LOGPROBS, JobResult, format_validation_error
+from pagestream.producer.protocol.schema import MAX_LOGPROBS, format_validation_error
 from pagestream.producer.protocol.untrusted import UntrustedJSONError, loads_untrusted
 
-COMPLETIONS_URL = "/v1/completions"
-CHAT_URL = "/v1/chat/completions"
 SUPPORTED_URLS = (COMPLETIONS_URL, CHAT_URL)
 MAX_CUSTOM_ID_CHARS = 512
 #: OpenAI's default ``max_tokens`` for /v1/completions (chat has none: until the model stops)
@@ -65,7 +68,7 @@ class RequestBody(BaseModel):
         for m in v or []:
             try:
                 m.flat()
-            except GatewayError as exc:
+            except RequestError as exc:
                 raise ValueError(exc.message) from None
         return v
 
@@ -77,7 +80,7 @@ class RequestBody(BaseModel):
                 raise ValueError("for chat, logprobs is true or false; the number of alternatives is top_logprobs")
             try:
                 return chat_logprobs_k(self.logprobs, self.top_logprobs)
-            except GatewayError as exc:
+            except RequestError as exc:
                 raise ValueError(exc.message) from None
         if self.top_logprobs is not None:
             raise ValueError(f"top_logprobs is a chat field; {COMPLETIONS_URL} takes logprobs: <number of alternatives>")
@@ -228,74 +231,3 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int | None = None) -> Bul
     except ValueError as exc:
         return BadLine(line, f"line: {exc}", custom_id)
     return BulkRequest(line=line, custom_id=custom_id or f"line-{line}", url=url, body=parsed, openai_form=False, logprobs=k)
-
-
-# ---- output records -------------------------------------------------------------------------
-
-def request_id(bulk_id: str, line: int) -> str:
-    """The job id of a bulk line: deterministic, so a resumed orchestrator re-queues the same id."""
-    return f"{bulk_id}-L{line}"
-
-
-def line_of_job_id(job_id: str) -> int:
-    """Inverse of ``request_id``: the input line number a bulk job came from."""
-    return int(job_id.rsplit("-L", 1)[1])
-
-
-@dataclass(slots=True)
-class PartEntry:
-    """One line of a part file: the final output record plus what compaction sorts and dedupes on."""
-
-    line: int
-    custom_id: str | None
-    ok: bool
-    record: dict[str, Any] = field(default_factory=dict)
-
-    def dumps(self) -> bytes:
-        return (json.dumps({"line": self.line, "custom_id": self.custom_id, "ok": self.ok, "record": self.record},
-                           ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
-
-    @classmethod
-    def loads(cls, raw: bytes) -> "PartEntry":
-        obj = json.loads(raw)
-        return cls(line=obj["line"], custom_id=obj["custom_id"], ok=obj["ok"], record=obj["record"])
-
-
-def bad_line_entry(bulk_id: str, bad: BadLine) -> PartEntry:
-    record = {
-        "id": f"batch_req_{request_id(bulk_id, bad.line)}",
-        "custom_id": bad.custom_id,
-        "response": None,
-        "error": {"code": "invalid_request", "message": bad.reason, "line": bad.line},
-    }
-    return PartEntry(line=bad.line, custom_id=bad.custom_id, ok=False, record=record)
-
-
-def result_entry(
-    *,
-    job_id: str,
-    custom_id: str,
-    chat: bool,
-    result: JobResult,
-    line: int | None = None,
-    requested_model: str | None = None,
-    error: str | None = None,
-) -> PartEntry:
-    """The OpenAI batch output line for one finished job: an error line when ``error`` is set,
-    else a completion body as the gateway answers it (one choice per sample, the served model's name)."""
-    line = line if line is not None else line_of_job_id(job_id)
-    rid = f"batch_req_{job_id}"
-    if error is not None:
-        record = {
-            "id": rid,
-            "custom_id": custom_id,
-            "response": None,
-            "error": {"code": "generation_failed", "message": error, "line": line},
-        }
-        return PartEntry(line=line, custom_id=custom_id, ok=False, record=record)
-    # a served name is always set by the worker; the asked name is only a fallback for old results
-    model = result.model or requested_model or "unknown"
-    body = completion_body(chat, f"{'chatcmpl' if chat else 'cmpl'}-{job_id}", model, int(result.finished_at), result)
-    record = {"id": rid, "custom_id": custom_id,
-              "response": {"status_code": 200, "request_id": job_id, "body": body}, "error": None}
-    return PartEntry(line=line, custom_id=custom_id, ok=True, record=record)

@@ -34,7 +34,8 @@ from pydantic import ValidationError
 from pagestream.producer.protocol import keys
 from pagestream.producer.bulk.api import LEASE_S, BulkSpec, BulkStatus, load_spec, request_counts
 from pagestream.producer.bulk.finalize import PARTS_PREFIX, compact, list_parts, manifest_header, remove_parts
-from pagestream.producer.bulk.io import CHAT_URL, COMPLETIONS_URL, BadLine, BulkRequest, bad_line_entry, max_line_bytes, parse_line, request_id
+from pagestream.producer.bulk.io import CHAT_URL, COMPLETIONS_URL, BadLine, BulkRequest, max_line_bytes, parse_line
+from pagestream.producer.bulk.parts import error_entry, request_id
 from pagestream.producer.bulk.storage import StorageError, StorageSettings, open_input, open_storage
 from pagestream.producer.client.producer import Producer
 from pagestream.producer.protocol.limits import job_limits
@@ -361,7 +362,7 @@ class Orchestrator:
         jobs, bad = self._jobs_for(chunk)
         if bad:
             # Deterministic name: a resumed chunk rewrites the same bytes.
-            data = b"".join(bad_line_entry(self.bulk_id, b).dumps() for b in bad)
+            data = b"".join(error_entry(self.bulk_id, b.line, b.reason, b.custom_id).dumps() for b in bad)
             out.put_bytes(f"{PARTS_PREFIX}_input-{bad[0].line:010d}.jsonl", data)
         last_line = chunk[-1][0] if chunk else None
         # Routing by model: a line whose model some worker announces goes to that model's lanes;

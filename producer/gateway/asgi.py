@@ -17,7 +17,7 @@ from typing import Any
 import redis
 from fastapi.responses import JSONResponse, Response
 
-from pagestream.producer.gateway.protocol import GatewayError
+from pagestream.producer.gateway.errors import GatewayError
 
 log = logging.getLogger(__name__)
 

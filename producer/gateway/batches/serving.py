@@ -1,8 +1,7 @@
-"""The gateway's ``/v1/files`` and ``/v1/batches``: OpenAI's Batch API mapped onto bulk jobs.
+"""``/v1/files`` and ``/v1/batches``: the HTTP side of OpenAI's Batch API over bulk jobs.
 
-The objects and their storage are ``producer.bulk.batches``; this file is the HTTP
-side only. Those calls block (redis-py, boto3), so each runs in a worker thread;
-a download streams the output shards as they are read.
+The objects and their storage are ``producer.bulk.batches``; those calls block (redis-py,
+boto3), so each runs in a worker thread; a download streams the output shards as they are read.
 """
 from __future__ import annotations
 
@@ -10,21 +9,20 @@ import asyncio
 import os
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 import redis
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 
 from pagestream.producer.bulk.batches import FileStore, cancel_batch, create_batch, get_batch, list_batches
-from pagestream.producer.gateway.protocol import GatewayError
+from pagestream.producer.gateway.errors import GatewayError
+from pagestream.producer.gateway.protocol import first_error_loc
+from pagestream.producer.gateway.state import GatewayState
 from pagestream.producer.protocol.redis_conn import connect
 from pagestream.producer.protocol.schema import format_validation_error
-
-if TYPE_CHECKING:
-    from pagestream.producer.gateway.app import Gateway
 
 MAX_LIST_LIMIT = 10_000
 
@@ -38,32 +36,43 @@ class BatchCreate(BaseModel):
     metadata: dict[str, str] | None = Field(None, max_length=16)
 
 
-class BatchRoutes:
+def list_limit(request: Request, default: int) -> int:
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+        raise GatewayError(400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}", param="limit")
+    return int(raw)
+
+
+class OpenAIServingBatches:
     """Files and batches for one gateway: a blocking Redis client and the file store, made on first use."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
+    def __init__(self, state: GatewayState) -> None:
+        self.settings = state.settings
         self._conn: redis.Redis | None = None
         self._files: FileStore | None = None
 
     @property
     def conn(self) -> redis.Redis:
         if self._conn is None:
-            self._conn = connect(self.gw.settings.redis_url)
+            self._conn = connect(self.settings.redis_url)
         return self._conn
 
     @property
     def files(self) -> FileStore:
         if self._files is None:
-            self._files = FileStore(self.conn, self.gw.settings.files_uri)
+            self._files = FileStore(self.conn, self.settings.files_uri)
         return self._files
 
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
 
+    # -- files ------------------------------------------------------------------------------
+
     async def upload(self, request: Request) -> dict[str, Any]:
-        limit = self.gw.settings.max_file_bytes
+        limit = self.settings.max_file_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit + 64 * 1024:  # room for the form around the file
             raise GatewayError(413, f"file is larger than {limit} bytes", code="file_too_large")
@@ -93,79 +102,37 @@ class BatchRoutes:
         finally:
             os.unlink(path)
 
-
-def _limit(request: Request, default: int) -> int:
-    raw = request.query_params.get("limit")
-    if raw is None:
-        return default
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
-        raise GatewayError(400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}", param="limit")
-    return int(raw)
-
-
-def add_batch_routes(app: FastAPI) -> None:
-    """``/v1/files`` and ``/v1/batches`` on the gateway app (its state holds the ``Gateway``)."""
-
-    def routes(request: Request) -> BatchRoutes:
-        gw = request.app.state.gateway
-        gw.check_key(request)
-        if gw.batches is None:
-            gw.batches = BatchRoutes(gw)
-        return gw.batches
-
-    @app.post("/v1/files")
-    async def upload_file(request: Request) -> JSONResponse:
-        return JSONResponse(await routes(request).upload(request))
-
-    @app.get("/v1/files")
-    async def list_files(request: Request) -> JSONResponse:
-        r = routes(request)
+    async def list_files(self, request: Request) -> dict[str, Any]:
         q = request.query_params
-        return JSONResponse(await asyncio.to_thread(r.files.list, q.get("purpose"), _limit(request, MAX_LIST_LIMIT), q.get("after")))
+        return await asyncio.to_thread(self.files.list, q.get("purpose"), list_limit(request, MAX_LIST_LIMIT), q.get("after"))
 
-    @app.get("/v1/files/{file_id}")
-    async def get_file(request: Request, file_id: str) -> JSONResponse:
-        r = routes(request)
-        return JSONResponse(await asyncio.to_thread(r.files.get, file_id))
+    async def get_file(self, file_id: str) -> dict[str, Any]:
+        return await asyncio.to_thread(self.files.get, file_id)
 
-    @app.get("/v1/files/{file_id}/content")
-    async def file_content(request: Request, file_id: str) -> StreamingResponse:
-        r = routes(request)
-        await asyncio.to_thread(r.files.record, file_id)  # a missing file is a 404 before the body starts
-        return StreamingResponse(r.files.content(file_id), media_type="application/jsonl")
+    async def file_content(self, file_id: str) -> Iterator[bytes]:
+        await asyncio.to_thread(self.files.record, file_id)  # a missing file is a 404 before the body starts
+        return self.files.content(file_id)
 
-    @app.delete("/v1/files/{file_id}")
-    async def delete_file(request: Request, file_id: str) -> JSONResponse:
-        r = routes(request)
-        return JSONResponse(await asyncio.to_thread(r.files.delete, file_id))
+    async def delete_file(self, file_id: str) -> dict[str, Any]:
+        return await asyncio.to_thread(self.files.delete, file_id)
 
-    @app.post("/v1/batches")
-    async def create(request: Request) -> JSONResponse:
-        r = routes(request)
-        data = await r.gw.read_json(request)
-        if not isinstance(data, dict):
-            raise GatewayError(400, "request body must be a JSON object")
+    # -- batches ----------------------------------------------------------------------------
+
+    async def create_batch(self, data: dict[str, Any]) -> dict[str, Any]:
         try:
             body = BatchCreate.model_validate(data)
         except ValidationError as exc:
-            errs = exc.errors()
-            param = ".".join(str(x) for x in errs[0]["loc"]) if errs and errs[0].get("loc") else None
-            raise GatewayError(422, format_validation_error(exc), param=param) from None
-        return JSONResponse(await asyncio.to_thread(
-            create_batch, r.conn, r.files, input_file_id=body.input_file_id, endpoint=body.endpoint,
-            completion_window=body.completion_window, metadata=body.metadata, queue_name=r.gw.settings.bulk_queue))
+            raise GatewayError(422, format_validation_error(exc), param=first_error_loc(exc)) from None
+        return await asyncio.to_thread(
+            create_batch, self.conn, self.files, input_file_id=body.input_file_id, endpoint=body.endpoint,
+            completion_window=body.completion_window, metadata=body.metadata, queue_name=self.settings.bulk_queue)
 
-    @app.get("/v1/batches")
-    async def list_(request: Request) -> JSONResponse:
-        r = routes(request)
-        return JSONResponse(await asyncio.to_thread(list_batches, r.conn, r.files, _limit(request, 20), request.query_params.get("after")))
+    async def list_batches(self, request: Request) -> dict[str, Any]:
+        return await asyncio.to_thread(list_batches, self.conn, self.files, list_limit(request, 20),
+                                       request.query_params.get("after"))
 
-    @app.get("/v1/batches/{batch_id}")
-    async def retrieve(request: Request, batch_id: str) -> JSONResponse:
-        r = routes(request)
-        return JSONResponse(await asyncio.to_thread(get_batch, r.conn, r.files, batch_id))
+    async def get_batch(self, batch_id: str) -> dict[str, Any]:
+        return await asyncio.to_thread(get_batch, self.conn, self.files, batch_id)
 
-    @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel(request: Request, batch_id: str) -> JSONResponse:
-        r = routes(request)
-        return JSONResponse(await asyncio.to_thread(cancel_batch, r.conn, r.files, batch_id))
+    async def cancel_batch(self, batch_id: str) -> dict[str, Any]:
+        return await asyncio.to_thread(cancel_batch, self.conn, self.files, batch_id)

@@ -1,0 +1,1 @@
+"""``/v1/files`` and ``/v1/batches``: OpenAI's Batch API over bulk jobs."""

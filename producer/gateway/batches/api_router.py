@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagestream.producer.gateway.batches.serving import OpenAIServingBatches
+from pagestream.producer.gateway.body import json_object
+
+router = APIRouter()
+
+
+def serving(request: Request) -> OpenAIServingBatches:
+    return request.app.state.gateway.batches
+
+
+Batches = Annotated[OpenAIServingBatches, Depends(serving)]
+
+
+@router.post("/v1/files")
+async def upload_file(request: Request, s: Batches) -> JSONResponse:
+    return JSONResponse(await s.upload(request))
+
+
+@router.get("/v1/files")
+async def list_files(request: Request, s: Batches) -> JSONResponse:
+    return JSONResponse(await s.list_files(request))
+
+
+@router.get("/v1/files/{file_id}")
+async def retrieve_file(file_id: str, s: Batches) -> JSONResponse:
+    return JSONResponse(await s.get_file(file_id))
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(file_id: str, s: Batches) -> StreamingResponse:
+    return StreamingResponse(await s.file_content(file_id), media_type="application/jsonl")
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(file_id: str, s: Batches) -> JSONResponse:
+    return JSONResponse(await s.delete_file(file_id))
+
+
+@router.post("/v1/batches")
+async def create_batch(s: Batches, body: Annotated[dict[str, Any], Depends(json_object)]) -> JSONResponse:
+    return JSONResponse(await s.create_batch(body))
+
+
+@router.get("/v1/batches")
+async def list_batches(request: Request, s: Batches) -> JSONResponse:
+    return JSONResponse(await s.list_batches(request))
+
+
+@router.get("/v1/batches/{batch_id}")
+async def retrieve_batch(batch_id: str, s: Batches) -> JSONResponse:
+    return JSONResponse(await s.get_batch(batch_id))
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, s: Batches) -> JSONResponse:
+    return JSONResponse(await s.cancel_batch(batch_id))

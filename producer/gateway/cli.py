@@ -1,0 +1,48 @@
+"""``pagestream gateway``: the OpenAI-compatible HTTP server alone (``pagestream serve`` adds a worker and
+a Redis). Its options are shared with ``serve``."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import typer
+
+from pagestream.producer.protocol.cli import resolve_url
+from pagestream.producer.protocol.redaction import install_log_redaction, redact_url
+from pagestream.producer.protocol.settings import REDIS_URL_ENV
+
+RedisUrl = typer.Option(None, "--redis-url", envvar=list(REDIS_URL_ENV), show_envvar=True,
+                        show_default="gateway: redis://localhost:6379/0; serve: an embedded one",
+                        help="Redis URL (a single node or any node of a Redis Cluster)")
+Host = typer.Option("127.0.0.1", "--host", envvar="PAGESTREAM_GATEWAY_HOST", show_envvar=True, help="address the HTTP server binds")
+Port = typer.Option(8000, "--port", envvar="PAGESTREAM_GATEWAY_PORT", show_envvar=True, help="port the HTTP server listens on")
+ApiKeys = typer.Option(None, "--api-keys", envvar="PAGESTREAM_GATEWAY_API_KEYS", show_envvar=True, show_default="none needed",
+                       help="comma-separated Bearer keys")
+MaxQueueDepth = typer.Option(None, "--max-queue-depth", envvar="PAGESTREAM_GATEWAY_MAX_QUEUE_DEPTH", show_envvar=True,
+                             show_default="no limit", help="answer 429 while a model has this many jobs waiting")
+
+
+def gateway_settings(redis_url: str, host: str, port: int, api_keys: str | None, max_queue_depth: int | None):
+    """``GatewaySettings`` from the environment with the command line's options on top."""
+    from pagestream.producer.gateway.settings import GatewaySettings
+
+    fields = {"redis_url": redis_url, "host": host, "port": port, "api_keys": api_keys, "max_queue_depth": max_queue_depth}
+    return GatewaySettings(**{k: v for k, v in fields.items() if v is not None})
+
+
+def gateway(
+    redis_url: Optional[str] = RedisUrl,
+    host: str = Host,
+    port: int = Port,
+    api_keys: Optional[str] = ApiKeys,
+    max_queue_depth: Optional[int] = MaxQueueDepth,
+    log_level: str = typer.Option("INFO", "--log-level", envvar="PAGESTREAM_LOG_LEVEL", show_envvar=True, help="DEBUG | INFO | WARNING | ERROR"),
+) -> None:
+    """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) over the queue."""
+    from pagestream.producer.gateway.app import run
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
+    settings = gateway_settings(resolve_url(redis_url), host, port, api_keys, max_queue_depth)
+    print(f"gateway on http://{settings.host}:{settings.port}/v1 (redis {redact_url(settings.redis_url)})", flush=True)
+    run(settings)

@@ -1,0 +1,1 @@
+"""``/health`` and ``/metrics`` (no API key: probes and scrapers)."""

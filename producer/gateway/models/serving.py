@@ -1,0 +1,48 @@
+"""The served models: what live workers announced (``max_model_len`` with each), cached briefly."""
+from __future__ import annotations
+
+import json
+import time
+
+from pagestream.producer.gateway.errors import GatewayError
+from pagestream.producer.gateway.protocol import model_list
+from pagestream.producer.gateway.state import GatewayState
+from pagestream.producer.protocol import keys
+
+
+def _info(raw: bytes | None) -> dict:
+    try:
+        v = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return v if isinstance(v, dict) else {}
+
+
+class OpenAIServingModels:
+    def __init__(self, state: GatewayState) -> None:
+        self.producer, self.refresh_s = state.producer, state.settings.model_refresh_s
+        self._models: dict[str, dict] = {}
+        self._until = 0.0
+
+    async def served(self) -> dict[str, dict]:
+        """Model name -> what its workers announced."""
+        if time.monotonic() >= self._until:
+            names = await self.producer.live_models()
+            infos = await self.producer.redis.hmget(keys.model_info(), names) if names else []
+            self._models = {n: _info(raw) for n, raw in zip(names, infos)}
+            self._until = time.monotonic() + self.refresh_s
+        return self._models
+
+    async def check(self, model: str, max_tokens: int | None) -> None:
+        """404 for a model nobody serves; 400 when ``max_tokens`` leaves no room in its context."""
+        served = await self.served()
+        if model not in served:
+            raise GatewayError(404, f"The model '{model}' does not exist or no worker serves it (served: {sorted(served) or 'none'})",
+                               param="model", code="model_not_found")
+        limit = served[model].get("max_model_len")
+        if max_tokens is not None and isinstance(limit, int) and max_tokens >= limit:
+            raise GatewayError(400, f"max_tokens ({max_tokens}) leaves no room for the prompt in the model's context of {limit} tokens",
+                               param="max_tokens", code="context_length_exceeded")
+
+    async def list(self) -> dict:
+        return model_list(sorted(await self.served()))

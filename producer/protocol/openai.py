@@ -1,0 +1,114 @@
+"""OpenAI's shapes that more than one front end writes: chat messages in, completion bodies out.
+
+The gateway answers ``/v1/completions`` and ``/v1/chat/completions`` with these bodies, and a
+bulk (the Batch API) writes the same bodies into its output lines from the worker, so they live
+in the contract. Plain data and pydantic only; no I/O.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from pagestream.producer.protocol.errors import RequestError
+from pagestream.producer.protocol.schema import JobResult, SampleResult, TokenLogprob
+
+COMPLETIONS_URL = "/v1/completions"
+CHAT_URL = "/v1/chat/completions"
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(BaseModel):
+    """A chat message as OpenAI's clients send it (content: a string or text parts)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def flat(self) -> dict[str, str]:
+        """The job schema's message: text parts joined, ``developer`` as ``system`` (``RequestError`` for other parts)."""
+        if isinstance(self.content, list):
+            bad = [p.type for p in self.content if p.type != "text" or p.text is None]
+            if bad:
+                raise RequestError(f"only text content parts are supported, got {bad}", param="messages")
+            text = "".join(p.text or "" for p in self.content)
+        else:
+            text = self.content or ""
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+def chat_logprobs_k(logprobs: bool | None, top_logprobs: int | None) -> int | None:
+    """The job's ``logprobs`` for chat's pair of fields: ``logprobs: true`` asks for them,
+    ``top_logprobs`` (default 0) says how many alternatives (the job schema checks the range)."""
+    if top_logprobs is not None and not logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top_logprobs or 0) if logprobs else None
+
+
+def finish_reason(reason: str | None) -> str | None:
+    if reason is None:
+        return None
+    return "length" if reason == "length" else "stop"
+
+
+def usage(result: JobResult) -> dict[str, int]:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
+
+
+def chat_logprobs(lps: list[TokenLogprob]) -> dict:
+    """``choices[].logprobs`` of chat: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}``."""
+    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token),
+                         "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": _bytes(a.token)} for a in t.top_logprobs]}
+                        for t in lps],
+            "refusal": None}
+
+
+def completion_logprobs(lps: list[TokenLogprob], text_offset: int = 0) -> dict:
+    """``choices[].logprobs`` of /v1/completions; ``text_offset`` of the first token (a stream continues it).
+
+    Offsets add up the tokens' own texts, so a character split over two tokens counts
+    each part's replacement character (as other servers that decode tokens alone do).
+    """
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in lps:
+        out["tokens"].append(t.token)
+        out["token_logprobs"].append(t.logprob)
+        out["top_logprobs"].append({a.token: a.logprob for a in t.top_logprobs})
+        out["text_offset"].append(text_offset)
+        text_offset += len(t.token)
+    return out
+
+
+def _samples(result: JobResult) -> list[SampleResult]:
+    # a result built by hand may carry only the top-level fields (sample 0)
+    return result.outputs or [SampleResult(index=0, text=result.text, token_ids=result.token_ids,
+                                           finish_reason=result.finish_reason)]
+
+
+def chat_completion_body(rid: str, model: str, created: int, result: JobResult) -> dict[str, Any]:
+    """A ``chat.completion`` object: one choice per sample."""
+    choices = [{"index": s.index, "logprobs": None if s.logprobs is None else chat_logprobs(s.logprobs),
+                "finish_reason": finish_reason(s.finish_reason), "message": {"role": "assistant", "content": s.text}}
+               for s in _samples(result)]
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(result)}
+
+
+def text_completion_body(rid: str, model: str, created: int, result: JobResult) -> dict[str, Any]:
+    """A ``text_completion`` object: one choice per sample."""
+    choices = [{"index": s.index, "logprobs": None if s.logprobs is None else completion_logprobs(s.logprobs),
+                "finish_reason": finish_reason(s.finish_reason), "text": s.text} for s in _samples(result)]
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(result)}

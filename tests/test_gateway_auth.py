@@ -1,0 +1,41 @@
+"""API keys guard every route of the gateway but the probes: one dependency on the routers, so a
+new route cannot forget it (walked over the app's own routes, not a list kept by hand)."""
+from __future__ import annotations
+
+import re
+
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+
+from pagestream.producer.gateway.app import create_app
+from pagestream.producer.gateway.settings import GatewaySettings
+
+OPEN = {"/health", "/metrics", "/openapi.json"}
+
+
+def _routes(routes):
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _routes(inner.routes)
+        elif isinstance(route, APIRoute) or hasattr(route, "methods"):
+            yield route
+
+
+def test_every_route_but_the_probes_answers_401_without_the_key(redis_url):
+    app = create_app(GatewaySettings(redis_url=redis_url, api_keys=["k1"]))
+    checked = []
+    with TestClient(app) as client:
+        for route in _routes(app.routes):
+            path = re.sub(r"\{[^}]+\}", "x", route.path)
+            for method in sorted(route.methods - {"HEAD"}):
+                resp = client.request(method, path, json={})
+                if route.path in OPEN:
+                    assert resp.status_code != 401, (method, path)
+                    continue
+                checked.append((method, route.path))
+                assert resp.status_code == 401, (method, path, resp.status_code)
+                assert resp.json()["error"]["code"] == "invalid_api_key"
+                ok = client.request(method, path, json={}, headers={"Authorization": "Bearer k1"})
+                assert ok.status_code != 401, (method, path)
+    assert ("POST", "/v1/chat/completions") in checked and ("GET", "/v1/files/{file_id}/content") in checked
