@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from pagestream.engine.models.registry import SUPPORTED_ARCHITECTURES, resolve_architecture  # noqa: F401
 
@@ -62,6 +62,33 @@ def check_tensor_parallel(hf_config: dict, tp: int) -> None:
             raise ValueError(f"{key} ({hf_config[key]}) must be divisible by tensor_parallel_size ({tp})")
 
 
+def knob(default: Any, help: str, show: str | None = None) -> Any:
+    """An engine setting users choose: ``EngineConfig``'s field, and from it the worker's settings
+    (``PAGESTREAM_<NAME>``), the ``--<name>`` option of ``pagestream worker`` and ``serve`` and their help
+    (``worker/engine_options.py``). A new knob is this one line. ``show``: the default as ``--help`` says it."""
+    return field(default=default, metadata={"help": help, "show_default": show})
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    name: str
+    type: Any
+    default: Any
+    help: str
+    show_default: str | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def engine_knobs() -> list[Knob]:
+    """Every knob of ``EngineConfig``, in its order."""
+    hints = get_type_hints(EngineConfig)
+    return [Knob(f.name, hints[f.name], f.default, f.metadata["help"], f.metadata["show_default"])
+            for f in fields(EngineConfig) if "help" in f.metadata]
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs to start.
@@ -72,29 +99,32 @@ class EngineConfig:
     """
 
     model: str
-    tokenizer: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA
-    device: str = "auto"  # auto: cuda when available, else cpu
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.85
-    kv_cache_bytes: int = 512 * 2**20
+    tokenizer: str | None = knob(None, "tokenizer directory or hub id", show="the model's")
+    dtype: str = knob("auto", "auto | float32 | float16 | bfloat16 (auto: float32 on the CPU, the checkpoint's "
+                      "dtype, bf16 for fp32 ones, on CUDA)")
+    device: str = knob("auto", "auto (CUDA when present) | cpu | cuda[:N]")
+    block_size: int = knob(16, "tokens per KV block (a power of two)")
+    num_kv_blocks: int | None = knob(None, "KV blocks in the pool (wins over the memory settings)",
+                                     show="from gpu_memory_utilization or kv_cache_bytes")
+    gpu_memory_utilization: float = knob(0.85, "share of the GPU's memory the engine may take (weights, "
+                                         "activations and the KV pool)")
+    kv_cache_bytes: int = knob(512 * 2**20, "bytes of KV pool on the CPU")
     # Sequences at once. vLLM takes 1024 on cards of >= 70 GiB. On the H200, 1,000 lognormal requests
     # ran 0.53 of the floor at 512 against 0.48 at 256 (BENCHMARKS.md, issue 9's third pass; earlier,
     # with a costlier host step, 1024 had run 0.32 against 0.38 at 256): 512 is also the largest batch
     # that decode CUDA graphs cover. More sequences trade time per output token for throughput.
-    max_num_seqs: int = 512
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    load_format: str = "auto"  # "auto" | "dummy" (random weights at the model's real shapes)
-    seed: int = 0
-    enforce_eager: bool = False  # on CUDA, decode steps replay captured CUDA graphs unless this is set
+    max_num_seqs: int = knob(512, "sequences the engine runs at once")
+    max_num_batched_tokens: int = knob(8192, "token budget of one engine step")
+    max_model_len: int | None = knob(None, "longest prompt + output, in tokens", show="the model's")
+    enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes already computed")
+    load_format: str = knob("auto", "auto | dummy (random weights at the model's real shapes)")
+    seed: int = knob(0, "seed of the engine's sampling for requests without one")
+    enforce_eager: bool = knob(False, "no CUDA graphs for decode steps")
     # plan step N+1 while step N runs on the device (outputs come one step later); False waits for each step
-    async_scheduling: bool = True
+    async_scheduling: bool = knob(True, "plan and launch step N+1 while step N runs on the device")
     # GPUs one engine spans (one process each; rank 0 is this process): weights, KV heads and
     # vocabulary split across them. On the CPU the same code runs over gloo with as many processes.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = knob(1, "GPUs one engine spans, one process each")
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # filled in __post_init__
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)

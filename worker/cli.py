@@ -17,6 +17,7 @@ import typer
 
 from pagestream.producer.protocol.redaction import install_log_redaction, redact, redact_url
 from pagestream.producer.protocol.cli import EXIT_REDIS_DOWN, redis_url_option, resolve_url
+from pagestream.worker.engine_options import engine_kwargs, with_engine_options
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="pagestream: queue-fed LLM batch inference.")
 
@@ -63,16 +64,12 @@ def build_engine(settings) -> object:
 
     from pagestream.engine import EngineConfig, LLMEngine
 
-    on_gpu = settings.device.startswith("cuda") or (settings.device == "auto" and torch.cuda.is_available())
-    extra = {"max_num_batched_tokens": settings.max_num_batched_tokens} if settings.max_num_batched_tokens else {}
+    device = settings.device or "auto"
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    knobs = engine_kwargs(settings)
+    knobs.setdefault("max_num_seqs", 512 if on_gpu else 8)
     try:
-        config = EngineConfig(
-            model=model, device=settings.device, dtype=settings.dtype,
-            max_num_seqs=settings.max_num_seqs or (512 if on_gpu else 8),
-            max_model_len=settings.max_model_len, seed=settings.seed, block_size=settings.block_size,
-            gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager,
-            tensor_parallel_size=settings.tensor_parallel_size, **extra,
-        )
+        config = EngineConfig(model=model, **knobs)
         if settings.engine_process if settings.engine_process is not None else on_gpu:
             from pagestream.engine.core_process import EngineProcess
 
@@ -86,30 +83,16 @@ def build_engine(settings) -> object:
 
 
 @app.command()
+@with_engine_options()
 def worker(
     redis_url: Optional[str] = RedisUrl,
     model: Optional[str] = _wopt("--model", "model", "HF model directory, or 'fake[:step_ms]' (the instant fake engine)", "none (required)"),
     served_model_name: Optional[str] = _wopt("--served-model-name", "served_model_name",
                                              "announce this model and take only its jobs", "none: the shared lanes"),
-    device: Optional[str] = _wopt("--device", "device", "auto (CUDA when present) | cpu | cuda[:N]", "auto"),
-    dtype: Optional[str] = _wopt("--dtype", "dtype", "auto | float32 | float16 | bfloat16", "auto"),
-    gpu_memory_utilization: Optional[float] = _wopt("--gpu-memory-utilization", "gpu_memory_utilization",
-                                                    "share of the GPU's memory the engine may take", "0.85"),
-    max_num_batched_tokens: Optional[int] = _wopt("--max-num-batched-tokens", "max_num_batched_tokens",
-                                                  "token budget of one engine step", "the engine's, 8192"),
-    block_size: Optional[int] = _wopt("--block-size", "block_size", "tokens per KV block", "16"),
-    enforce_eager: bool = typer.Option(False, "--enforce-eager", envvar="PAGESTREAM_ENFORCE_EAGER", show_envvar=True,
-                                       help="no CUDA graphs for decode steps"),
     engine_process: Optional[bool] = typer.Option(
         None, "--engine-process/--no-engine-process", envvar="PAGESTREAM_ENGINE_PROCESS", show_envvar=True,
         show_default="on with CUDA, off on the CPU",
         help="run the engine core in its own process, so queue work never holds the GIL its step needs"),
-    max_num_seqs: Optional[int] = _wopt("--max-num-seqs", "max_num_seqs", "sequences the engine runs at once",
-                                        "512 on a GPU, 8 on the CPU"),
-    tensor_parallel_size: Optional[int] = _wopt("--tensor-parallel-size", "tensor_parallel_size",
-                                                "GPUs one engine spans, one process each", "1"),
-    max_model_len: Optional[int] = _wopt("--max-model-len", "max_model_len", "longest prompt + output, in tokens",
-                                         "the model's"),
     consumer: Optional[str] = _wopt("--consumer", "consumer", "consumer name in the group (unique per worker)", "host-pid"),
     lanes: Optional[str] = _wopt("--lanes", "lanes", "comma-separated subset of high,normal,low", "high,normal,low"),
     lease_ms: Optional[int] = _wopt("--lease-ms", "lease_ms",
@@ -126,8 +109,9 @@ def worker(
                                      help="address the metrics endpoint binds (0.0.0.0 in a container)"),
     log_level: str = typer.Option("INFO", "--log-level", envvar="PAGESTREAM_LOG_LEVEL", show_envvar=True,
                                   help="DEBUG | INFO | WARNING | ERROR"),
+    engine_options: dict | None = None,
 ) -> None:
-    """Run a worker: pull jobs from the lanes into the engine, stream tokens back."""
+    """Run a worker: pull jobs from the lanes into the engine, stream tokens back (every engine knob is an option)."""
     from pagestream.engine.errors import EngineDeadError
     from pagestream.producer.protocol.redis_conn import connect
     from pagestream.worker.settings import WorkerSettings
@@ -140,13 +124,10 @@ def worker(
     # back from the publisher thread, which keeps it up to a whole switch interval (5 ms by default).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     overrides = {
-        "redis_url": redis_url, "model": model, "served_model_name": served_model_name, "device": device, "max_num_seqs": max_num_seqs,
-        "max_model_len": max_model_len, "consumer": consumer, "lanes": lanes, "lease_ms": lease_ms,
-        "max_deliveries": max_deliveries, "drain_timeout_s": drain_timeout, "prefetch": prefetch,
-        "publish_interval_ms": publish_interval_ms, "dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization,
-        "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size, "enforce_eager": enforce_eager or None,
-        "engine_process": engine_process,
-        "tensor_parallel_size": tensor_parallel_size,
+        "redis_url": redis_url, "model": model, "served_model_name": served_model_name, "consumer": consumer,
+        "lanes": lanes, "lease_ms": lease_ms, "max_deliveries": max_deliveries, "drain_timeout_s": drain_timeout,
+        "prefetch": prefetch, "publish_interval_ms": publish_interval_ms, "engine_process": engine_process,
+        **(engine_options or {}),
     }
     settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
     engine = build_engine(settings)

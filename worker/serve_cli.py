@@ -19,6 +19,7 @@ import typer
 
 from pagestream.producer.gateway.cli import ApiKeys, Host, MaxQueueDepth, Port, RedisUrl, gateway_settings
 from pagestream.producer.protocol.redaction import install_log_redaction, redact_url
+from pagestream.worker.engine_options import engine_flags, with_engine_options
 
 
 def resolve_model(model: str) -> str:
@@ -34,6 +35,7 @@ def resolve_model(model: str) -> str:
                                  param_hint="--model") from None
 
 
+@with_engine_options(with_env=False)
 def serve(
     model: str = typer.Option(..., "--model", help="HF model directory, a hub id in the local HF cache, or 'fake'"),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", show_default="--model as given", help="the name clients use"),
@@ -42,12 +44,8 @@ def serve(
     port: int = Port,
     api_keys: Optional[str] = ApiKeys,
     max_queue_depth: Optional[int] = MaxQueueDepth,
-    device: Optional[str] = typer.Option(None, "--device", show_default="auto", help="auto | cpu | cuda (the worker's)"),
-    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", show_default="8", help="sequences the worker's engine runs at once"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", show_default="the model's", help="longest prompt + output, in tokens"),
-    tensor_parallel_size: Optional[int] = typer.Option(
-        None, "--tensor-parallel-size", show_default="1", help="GPUs the worker's engine spans, one process each"),
     log_level: str = typer.Option("WARNING", "--log-level", help="DEBUG | INFO | WARNING | ERROR"),
+    engine_options: dict | None = None,
 ) -> None:
     """One-command server: gateway + a worker for MODEL (+ an embedded Redis when none is configured)."""
     from pagestream.producer.gateway.app import run
@@ -62,10 +60,7 @@ def serve(
     path = resolve_model(model)
     cmd = [sys.executable, "-m", "pagestream.worker.cli", "worker", "--redis-url", redis_url, "--model", path,
            "--served-model-name", name, "--log-level", log_level]
-    for flag, value in (("--device", device), ("--max-num-seqs", max_num_seqs), ("--max-model-len", max_model_len),
-                        ("--tensor-parallel-size", tensor_parallel_size)):
-        if value is not None:
-            cmd += [flag, str(value)]
+    cmd += engine_flags(engine_options or {})  # the worker's engine knobs, as given here
     worker = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in worker.stdout:  # wait for the engine to load

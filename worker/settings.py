@@ -6,20 +6,21 @@ import socket
 
 from typing import Annotated
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.limits import job_limits
 from pagestream.producer.protocol.settings import DEFAULT_REDIS_URL, REDIS_URL_ENV, S3_ENDPOINT_ENV
+from pagestream.worker.engine_options import settings_fields
 
 
 def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class WorkerSettings(BaseSettings):
-    """Everything a worker needs. Env vars are the field names upper-cased with a
+class _QueueSettings(BaseSettings):
+    """Everything a worker needs (``WorkerSettings`` below adds the engine's knobs). Env vars are the field names upper-cased with a
     ``PAGESTREAM_`` prefix (``PAGESTREAM_LEASE_MS``), except the shared ones named below."""
 
     model_config = SettingsConfigDict(env_prefix="PAGESTREAM_", extra="ignore", populate_by_name=True)
@@ -29,26 +30,16 @@ class WorkerSettings(BaseSettings):
     # Routing by model: with a name, the worker announces it and reads only that model's lanes
     # (worker.routing); without one it reads the shared lanes (jobs that name no model).
     served_model_name: str | None = Field(None, pattern=r"^[^\s{}]{1,256}$")
-    device: str = "auto"  # auto: CUDA when torch sees a GPU, else the CPU
     group: str = keys.DEFAULT_GROUP
     consumer: str = Field(default_factory=default_consumer_name)
     lanes: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(keys.LANES))  # env: high,normal
 
-    # engine limits (EngineConfig's meaning; None: the engine's default)
-    # None: 512 on a GPU; 8 on the CPU, where a step over many sequences is slow and the queue
-    # is better shared among workers
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    seed: int = 0
-    dtype: str = "auto"  # auto: fp32 on the CPU, the checkpoint's dtype (bf16 for fp32 ones) on CUDA
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    block_size: int = Field(16, ge=1)
-    enforce_eager: bool = False  # no CUDA graphs for decode
+    # the engine's knobs (max_num_seqs, dtype, block_size, ...) are added below from EngineConfig
+    # (worker/engine_options.py); None takes the engine's default. max_num_seqs None: 512 on a GPU,
+    # 8 on the CPU, where a step over many sequences is slow and the queue is better shared among workers.
     # run the engine core in a process of its own (engine.core_process), so the worker's Redis
     # I/O and threads never hold the GIL its step needs; None: on for CUDA, off on the CPU
     engine_process: bool | None = None
-    tensor_parallel_size: int = Field(1, ge=1)  # GPUs one engine spans (one process each)
 
     # queue behaviour
     prefetch: int = Field(2, ge=0)  # entries read beyond what the engine can admit now
@@ -103,3 +94,7 @@ class WorkerSettings(BaseSettings):
     @property
     def reclaim_every_s(self) -> float:
         return self.reclaim_interval_s if self.reclaim_interval_s is not None else self.lease_ms / 4000
+
+
+#: the worker's settings: the queue's above plus every engine knob, each ``PAGESTREAM_<NAME>``
+WorkerSettings = create_model("WorkerSettings", __base__=_QueueSettings, __module__=__name__, **settings_fields())
