@@ -17,8 +17,8 @@ vLLM v1 splits its engine core from the front end.
 Outputs are those of ``LLMEngine`` in one process: the same token ids and text, the text
 cut at a stop string the same way (the caller runs the same ``IncrementalDetokenizer``);
 tokens the core sampled past a stop string before it heard of it are dropped. A ``step``
-merges what several core steps produced into one delta per request. Messages are tuples
-over a ``multiprocessing`` pipe with a reader thread on each side, so the core never waits
+merges what several core steps produced into one delta per request. Messages (engine/core_messages.py)
+cross a ``multiprocessing`` pipe with a reader thread on each side, so the core never waits
 for the caller to read, and a burst of requests never waits for the core's step to end.
 Outputs carry only what changed (request ids are small integers; prompts stay here).
 
@@ -39,9 +39,11 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from pagestream.engine.config import EngineConfig
+from pagestream.engine.core_messages import (AddRequest, CoreOutput, CoreOutputType, CoreRequest, CoreRequestType,
+                                              EngineCoreError, ErrorType, RequestDelta, SampleDelta, StopSample,
+                                              TokenBatch)
 from pagestream.engine.detokenizer import IncrementalDetokenizer
 from pagestream.engine.input_processor import EngineLimits, InputProcessor
 from pagestream.engine.errors import EngineDeadError
@@ -59,24 +61,6 @@ _START_TIMEOUT_S = 1800.0  # loading a large model and capturing graphs can take
 
 
 # ---- the core's side ---------------------------------------------------------------------
-
-class _Compact(NamedTuple):
-    """One request's output as it crosses the pipe: only what changed, no objects to build."""
-
-    rid: int
-    finished: bool
-    error: str | None
-    metrics: dict | None
-    comps: list  # per sample: (index, new token ids, cumulative logprob, logprobs, finish_reason, stop_reason)
-
-
-class _Tokens(NamedTuple):
-    """One new token for each of many single-sample, still running requests without logprobs (the
-    common step): two flat lists cross the pipe instead of a ``_Compact`` per request."""
-
-    rids: list[int]
-    token_ids: list[int]
-
 
 def _core_engine_class():
     from pagestream.engine.llm_engine import LLMEngine
@@ -107,17 +91,17 @@ def _core_engine_class():
                             continue
                 rest.append(req)
             if rids:
-                outputs.append(_Tokens(rids, token_ids))
+                outputs.append(TokenBatch(rids, token_ids))
             outputs += super()._outputs(rest)
             return outputs
 
-        def _make_output(self, req) -> _Compact:
+        def _make_output(self, req) -> RequestDelta:
             comps = []
             for i, seq in enumerate(req.seqs):
                 _, new_ids, lps = self._take_new(req, i)
-                comps.append((i, new_ids, req.cumulative_logprob[i] if lps is not None else None, lps,
-                              seq.finish_reason, seq.stop_reason))
-            return _Compact(req.rid, req.finished, None, self._final_metrics(req) or None, comps)
+                comps.append(SampleDelta(i, new_ids, req.cumulative_logprob[i] if lps is not None else None, lps,
+                                         seq.finish_reason, seq.stop_reason))
+            return RequestDelta(req.rid, req.finished, None, self._final_metrics(req) or None, comps)
 
     return CoreEngine
 
@@ -132,9 +116,10 @@ def _core_main(conn, config: EngineConfig, log_level: int) -> None:
     try:
         engine = _core_engine_class()(config, detokenize=False)  # text and stop strings are the caller's
     except BaseException as exc:  # the caller raises it: a bad model, OOM, no GPU
-        conn.send(("failed", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        kind = ErrorType.INVALID_CONFIG if isinstance(exc, ValueError) else ErrorType.STARTUP
+        conn.send(CoreOutput(CoreOutputType.FAILED, error=EngineCoreError.of(exc, kind, traceback.format_exc())))
         return
-    conn.send(("ready", engine.limits, engine.config))
+    conn.send(CoreOutput(CoreOutputType.READY, limits=engine.limits, config=engine.config))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def read_inputs() -> None:  # unpickling a burst of requests happens beside the step
@@ -142,7 +127,7 @@ def _core_main(conn, config: EngineConfig, log_level: int) -> None:
             while True:
                 inbox.put(conn.recv())
         except (EOFError, OSError):
-            inbox.put(("eof",))  # the caller is gone (or closed): stop
+            inbox.put(CoreRequest(CoreRequestType.SHUTDOWN))  # the caller is gone (or closed): stop
 
     threading.Thread(target=read_inputs, name="engine-core-inputs", daemon=True).start()
     try:
@@ -176,31 +161,33 @@ def _serve_loop(engine, conn, inbox: queue.SimpleQueue, trace: list | None) -> N
             except queue.Empty:
                 break
         for msg in msgs:
-            kind = msg[0]
-            if kind == "add":
-                for rid, prompt, ids, resume, params, priority in msg[1]:
+            kind = msg.type
+            if kind is CoreRequestType.ADD:
+                for rid, prompt, ids, resume, params, priority in msg.payload:
                     try:
                         engine.add_checked_request(str(rid), prompt, ids, resume, params, priority)
                     except Exception as exc:  # checked on the caller's side; an engine bug fails this request only
-                        conn.send(("out", [(rid, True, f"{type(exc).__name__}: {exc}", None, [])], None))
-            elif kind == "abort":
-                for rid in msg[1]:
+                        error = EngineCoreError.of(exc, ErrorType.REQUEST)
+                        conn.send(CoreOutput(CoreOutputType.OUTPUTS, [RequestDelta(rid, True, error, None, [])]))
+            elif kind is CoreRequestType.ABORT:
+                for rid in msg.payload:
                     engine.abort_request(str(rid))
-            elif kind == "stop_samples":
-                for rid, index, reason in msg[1]:
+            elif kind is CoreRequestType.STOP_SAMPLES:
+                for rid, index, reason in msg.payload:
                     engine.finish_sample(str(rid), index, reason)
-            elif kind in ("shutdown", "eof"):
+            elif kind is CoreRequestType.SHUTDOWN:
                 return
         if not engine.has_unfinished_requests():
-            conn.send(("out", [], engine.stats()))
+            conn.send(CoreOutput(CoreOutputType.OUTPUTS, [], engine.stats()))
             continue
         try:
             outs = engine.step()
         except EngineDeadError as exc:  # a tensor-parallel rank died: this engine is over
-            conn.send(("dead", f"engine core: {exc}"))
+            conn.send(CoreOutput(CoreOutputType.DEAD, error=EngineCoreError(ErrorType.DEAD, f"engine core: {exc}")))
             return
         except Exception:  # the caller treats it as LLMEngine.step raising; the core goes on
-            conn.send(("step_error", traceback.format_exc()))
+            tb = traceback.format_exc()
+            conn.send(CoreOutput(CoreOutputType.STEP_ERROR, error=EngineCoreError(ErrorType.STEP, tb.strip().splitlines()[-1], tb)))
             continue
         now = time.monotonic()
         if trace is not None:
@@ -209,7 +196,7 @@ def _serve_loop(engine, conn, inbox: queue.SimpleQueue, trace: list | None) -> N
         if now - last_stats >= _STATS_EVERY_S or not engine.has_unfinished_requests():
             stats, last_stats = engine.stats(), now
         if outs or stats is not None:
-            conn.send(("out", outs, stats))
+            conn.send(CoreOutput(CoreOutputType.OUTPUTS, outs, stats))
 
 
 # ---- the caller's side ---------------------------------------------------------------------
@@ -259,13 +246,13 @@ class EngineProcess:
         except EOFError:
             self._proc.join(5)
             raise EngineDeadError(f"the engine core exited while starting (exit code {self._proc.exitcode})") from None
-        if msg[0] == "failed":
+        if msg.type is CoreOutputType.FAILED:
             self._proc.join(30)
-            logger.debug("engine core start-up failed:\n%s", msg[2])
+            logger.debug("engine core start-up failed:\n%s", msg.error.traceback)
             # what was wrong with the configuration, as LLMEngine(config) would have raised it
-            raise (ValueError if msg[1].startswith("ValueError") else RuntimeError)(msg[1].split(": ", 1)[-1])
-        _, self.limits, self.config = msg
-        self.limits: EngineLimits
+            raise msg.error.exception()
+        self.limits: EngineLimits = msg.limits
+        self.config: EngineConfig = msg.config
         self.inputs = InputProcessor(self.tokenizer, self.limits, self.config.model)
         logger.info("engine core ready (pid %d): %d KV blocks, max_num_seqs %d", self._proc.pid, self.limits.num_blocks,
                     self.limits.max_num_seqs)
@@ -273,7 +260,7 @@ class EngineProcess:
         self._handles: dict[str, int] = {}  # request id -> the core's id for it
         self._live: dict[int, _Live] = {}
         self._num_live_seqs = 0
-        self._to_add: list[tuple] = []
+        self._to_add: list[AddRequest] = []
         self._local: list[RequestOutput] = []  # abort outputs, reported at the next step as LLMEngine does
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stats: EngineStats | None = None
@@ -316,10 +303,10 @@ class EngineProcess:
         # reports every step (token ids are cheap), whatever this request's output_kind.
         core_params = params if not params.stop and params.output_kind == "delta" else \
             dataclasses.replace(params, stop=None, output_kind="delta")
-        self._to_add.append((rid, prompt, ids, resume, core_params, priority))
+        self._to_add.append(AddRequest(rid, prompt, ids, resume, core_params, priority))
         if len(self._to_add) >= _ADD_BATCH:  # a burst: let the core start on it while the rest is checked
             batch, self._to_add = self._to_add, []
-            self._send(("add", batch))
+            self._send(CoreRequest(CoreRequestType.ADD, batch))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.inputs.chat_token_ids(messages)
@@ -333,11 +320,11 @@ class EngineProcess:
         if rid is None:
             return False
         live = self._forget(rid)
-        queued = [a for a in self._to_add if a[0] == rid]
+        queued = [a for a in self._to_add if a.rid == rid]
         if queued:  # never sent: nothing to stop in the core
             self._to_add.remove(queued[0])
         elif self._dead is None:
-            self._send(("abort", [rid]))
+            self._send(CoreRequest(CoreRequestType.ABORT, [rid]))
         for i in range(live.params.n):
             if not live.done[i]:
                 live.finish[i] = ("abort", None)
@@ -366,7 +353,7 @@ class EngineProcess:
         self._check_alive()
         if self._to_add:
             batch, self._to_add = self._to_add, []
-            self._send(("add", batch))
+            self._send(CoreRequest(CoreRequestType.ADD, batch))
         outputs, self._local = self._local, []
         msgs = []
         try:
@@ -380,16 +367,15 @@ class EngineProcess:
         new: dict[int, tuple[_Live, list[list[int]], list[list | None]]] = {}
         errors: dict[int, str] = {}
         for msg in msgs:
-            if msg[0] == "dead":
-                self._dead = msg[1]
-                raise EngineDeadError(msg[1])
-            if msg[0] == "step_error":
-                raise RuntimeError(f"engine core step failed:\n{msg[1]}")
-            _, outs, stats = msg
-            if stats is not None:
-                self._stats = stats
-            for out in outs:
-                if len(out) == 2:  # _Tokens: one token each for single-sample requests
+            if msg.type is CoreOutputType.DEAD:
+                self._dead = msg.error.message
+                raise msg.error.exception()
+            if msg.type is CoreOutputType.STEP_ERROR:
+                raise msg.error.exception()
+            if msg.stats is not None:
+                self._stats = msg.stats
+            for out in msg.outputs:
+                if type(out) is TokenBatch:  # one token each for single-sample requests
                     for rid, token in zip(*out):
                         live = self._live.get(rid)
                         if live is None or live.done[0]:
@@ -422,7 +408,7 @@ class EngineProcess:
                         live.done[index] = True
                         live.finish[index] = (fin, stop)
                 if error is not None:
-                    errors[rid] = error
+                    errors[rid] = error.message
         stop_samples, aborts = [], []
         for rid, (live, ids, lps) in new.items():
             self._detokenize(live, ids, lps)
@@ -438,15 +424,15 @@ class EngineProcess:
                 for i, stopped in enumerate(live.stopped_here):
                     if stopped and not live.told[i]:
                         live.told[i] = True
-                        stop_samples.append((rid, i, live.finish[i][1]))
+                        stop_samples.append(StopSample(rid, i, live.finish[i][1]))
             if live.params.output_kind == "delta" or out.finished:
                 outputs.append(out)
         if self._trace_path and msgs:
             self._trace.append((t_taken, time.monotonic(), len(msgs)))
         if aborts and self._dead is None:
-            self._send(("abort", aborts))
+            self._send(CoreRequest(CoreRequestType.ABORT, aborts))
         if stop_samples and self._dead is None:
-            self._send(("stop_samples", stop_samples))
+            self._send(CoreRequest(CoreRequestType.STOP_SAMPLES, stop_samples))
         return outputs
 
     def _detokenize(self, live: _Live, ids: list[list[int]], lps: list[list | None]) -> None:
@@ -502,9 +488,10 @@ class EngineProcess:
         self._proc.join(5)
         code = self._proc.exitcode
         if code != 0 or not self._closing:
-            self._outbox.put(("dead", f"the engine core process exited (exit code {code})"))
+            error = EngineCoreError(ErrorType.DEAD, f"the engine core process exited (exit code {code})")
+            self._outbox.put(CoreOutput(CoreOutputType.DEAD, error=error))
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: CoreRequest) -> None:
         try:
             self._conn.send(msg)
         except (BrokenPipeError, OSError) as exc:
@@ -525,7 +512,7 @@ class EngineProcess:
         self._closing = True
         if self._proc.is_alive() and self._dead is None:
             try:
-                self._conn.send(("shutdown",))
+                self._conn.send(CoreRequest(CoreRequestType.SHUTDOWN))
             except (BrokenPipeError, OSError):
                 pass
             self._proc.join(timeout_s)
