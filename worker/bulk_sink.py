@@ -30,6 +30,7 @@ from pagestream.producer.protocol import keys
 from pagestream.producer.bulk.api import BulkSpec, BulkStatus
 from pagestream.producer.bulk.parts import PartEntry, line_of_job_id, result_entry
 from pagestream.producer.bulk.storage import Storage, StorageError, StorageSettings, open_storage
+from pagestream.producer.protocol.wire import as_str
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,8 @@ class _Buffer:
     items: list[tuple[str, str, PartEntry]] = field(default_factory=list)
     jobs: list[tuple[str, int]] = field(default_factory=list)  # (job_id, result_ttl_s) per item
     retry_at: float = 0.0
-    failures: int = 0
+    backoff: Backoff = field(default_factory=lambda: Backoff(base=1.0, cap=_MAX_BACKOFF_S))  # 1, 2, 4 .. 30 s
     permanent_failures: int = 0
-
-
-def _text(v: Any) -> Any:
-    return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
 class BulkSink:
@@ -142,7 +139,7 @@ class BulkSink:
         if spec is None:
             raw = self.redis.hget(keys.bulk_hash(bulk_id), "spec")
             if raw is not None:
-                spec = self._specs[bulk_id] = BulkSpec.model_validate_json(_text(raw))
+                spec = self._specs[bulk_id] = BulkSpec.model_validate_json(as_str(raw))
             elif uri is None:
                 raise StorageError(f"bulk {bulk_id} has no output URI", permanent=True)
         uri = uri or spec.output
@@ -156,7 +153,7 @@ class BulkSink:
         key = keys.bulk_hash(bulk_id)
         entries = [(lane, entry_id) for lane, entry_id, _ in buf.items]
         status = self.redis.hget(key, "status")
-        if status is None or BulkStatus(_text(status)).is_final:
+        if status is None or BulkStatus(as_str(status)).is_final:
             # The bulk is over (or gone): nobody will compact this line, so just let the job go.
             del self._buffers[bulk_id]
             self._specs.pop(bulk_id, None)
@@ -168,16 +165,15 @@ class BulkSink:
             self._storage(bulk_id, buf.uri).put_bytes(name, data)
         except (StorageError, OSError) as exc:
             permanent = getattr(exc, "permanent", False)
-            buf.failures += 1
             buf.permanent_failures = buf.permanent_failures + 1 if permanent else 0
-            buf.retry_at = time.monotonic() + min(0.5 * 2 ** buf.failures, _MAX_BACKOFF_S)
-            log.warning("bulk %s: part write failed (%d in a row), will retry: %s", bulk_id, buf.failures, exc)
+            buf.retry_at = time.monotonic() + buf.backoff.next()
+            log.warning("bulk %s: part write failed (%d in a row), will retry: %s", bulk_id, buf.backoff.failures, exc)
             fields = {"sink_error": f"{self.consumer}: {exc}"}
             if buf.permanent_failures >= PERMANENT_FAILURES_TO_REPORT:
                 fields["sink_error_permanent"] = "1"
             self.redis.hset(key, mapping=fields)
             return []
-        if buf.failures:  # this worker's last error is history now
+        if buf.backoff.failures:  # this worker's last error is history now
             self.redis.hdel(key, "sink_error", "sink_error_permanent")
         args: list[str] = []
         for _, _, entry in buf.items:

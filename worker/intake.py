@@ -20,6 +20,7 @@ import redis
 
 from pagestream.engine.errors import EngineDeadError
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.redis_conn import Backoff
 from pagestream.producer.protocol.schema import JobRequest, JobStatus
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
@@ -68,7 +69,7 @@ class Intake:
         self._next_reclaim = 0.0
         self._pull_paused_until = 0.0
         self._last_busy_pull = 0.0
-        self._pull_backoff = 0.1
+        self._pull_backoff = Backoff(base=0.1, cap=10.0)
 
     def capacity(self) -> int:
         """How many more entries to read now: never more than admission limit + prefetch held,
@@ -105,11 +106,11 @@ class Intake:
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if not busy:
                 raise  # nothing to step: the run loop backs off
-            log.warning("redis unavailable while pulling (%s); stepping on, next pull in %.1fs", exc, self._pull_backoff)
-            self._pull_paused_until = time.monotonic() + self._pull_backoff
-            self._pull_backoff = min(self._pull_backoff * 2, 10.0)
+            delay = self._pull_backoff.next()
+            log.warning("redis unavailable while pulling (%s); stepping on, next pull in %.1fs", exc, delay)
+            self._pull_paused_until = time.monotonic() + delay
             return 0
-        self._pull_backoff = 0.1
+        self._pull_backoff.reset()
         return n
 
     def _pull(self, block: bool) -> int:

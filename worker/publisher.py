@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import redis
 
 from pagestream.producer.protocol import keys
-from pagestream.producer.protocol.redis_conn import is_cluster
+from pagestream.producer.protocol.redis_conn import Backoff, is_cluster
 from pagestream.producer.protocol.schema import JobResult, JobStatus
 from pagestream.producer.protocol.wire import end_fields, token_event_fields
 from pagestream.worker.consumer import Consumer, Delivery
@@ -158,7 +158,7 @@ class Publisher:
 
     def _run(self) -> None:
         last_flush = 0.0
-        backoff = 0.05
+        backoff = Backoff(base=0.05, cap=5.0)
         batch: list[object] = []
         while True:
             with self._cond:
@@ -185,7 +185,7 @@ class Publisher:
             try:
                 acked = self._write(batch)
                 batch = []
-                backoff = 0.05
+                backoff.reset()
                 last_flush = time.monotonic()
                 self.num_flushes += 1
                 if acked and self.on_acked:
@@ -193,9 +193,9 @@ class Publisher:
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 # Keep the batch and retry it unchanged: a replayed event is dropped by subscribers by its index.
                 self.last_error = exc
-                log.warning("publisher: redis unavailable (%s), retrying in %.2fs", exc, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                delay = backoff.next()
+                log.warning("publisher: redis unavailable (%s), retrying in %.2fs", exc, delay)
+                time.sleep(delay)
             except Exception as exc:  # a bug must not cost the whole batch: write its items one by one
                 self.last_error = exc
                 log.exception("publisher: a batch of %d writes failed; writing them one at a time", len(batch))

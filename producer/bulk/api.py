@@ -29,6 +29,7 @@ from pagestream.producer.bulk.rq_queue import BULK_QUEUE, RUN_BULK_FUNC, bulk_qu
 from pagestream.producer.bulk.storage import AddressingStyle, StorageSettings
 from pagestream.producer.protocol.redis_conn import connect
 from pagestream.producer.protocol.schema import Lane
+from pagestream.producer.protocol.wire import as_str
 
 #: orchestrator lease: a dead orchestrator's bulk is picked up again this long after its last heartbeat
 LEASE_S = float(os.environ.get("PAGESTREAM_BULK_LEASE_S", "15"))
@@ -84,10 +85,6 @@ class BulkSpec(BaseModel):
 
 def new_bulk_id() -> str:
     return f"batch_{uuid.uuid4().hex[:24]}"
-
-
-def _text(v: Any) -> Any:
-    return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
 def enqueue_run(conn: redis.Redis, bulk_id: str, *, job_id: str | None = None, queue_name: str = BULK_QUEUE) -> str:
@@ -183,7 +180,7 @@ def load_spec(conn: redis.Redis, bulk_id: str) -> BulkSpec:
     raw = conn.hget(keys.bulk_hash(bulk_id), "spec")
     if raw is None:
         raise KeyError(f"no bulk {bulk_id!r}")
-    return BulkSpec.model_validate_json(_text(raw))
+    return BulkSpec.model_validate_json(as_str(raw))
 
 
 def request_counts(state: dict[str, Any]) -> dict[str, int]:
@@ -201,7 +198,7 @@ def request_counts(state: dict[str, Any]) -> dict[str, int]:
 
 def get_bulk(conn: redis.Redis, bulk_id: str) -> dict[str, Any]:
     """Status of a bulk as a JSON-able dict (OpenAI batch-like). Raises ``KeyError`` if unknown."""
-    state = {_text(k): _text(v) for k, v in conn.hgetall(keys.bulk_hash(bulk_id)).items()}
+    state = {as_str(k): as_str(v) for k, v in conn.hgetall(keys.bulk_hash(bulk_id)).items()}
     if not state or "spec" not in state:
         raise KeyError(f"no bulk {bulk_id!r}")
     spec = BulkSpec.model_validate_json(state["spec"])
@@ -234,7 +231,7 @@ def cancel_bulk(conn: redis.Redis, bulk_id: str, pipeline: redis.client.Pipeline
     key = keys.bulk_hash(bulk_id)
     if not conn.exists(key):
         raise KeyError(f"no bulk {bulk_id!r}")
-    status = BulkStatus(_text(conn.hget(key, "status")))
+    status = BulkStatus(as_str(conn.hget(key, "status")))
     if status.is_final:
         return status.value
     pipe = pipeline if pipeline is not None else conn.pipeline()
@@ -249,12 +246,12 @@ def bulk_is_live(conn: redis.Redis, bulk_id: str) -> bool:
     status = conn.hget(keys.bulk_hash(bulk_id), "status")
     if status is None:
         return False
-    st = BulkStatus(_text(status))
+    st = BulkStatus(as_str(status))
     return not (st.is_final or st == BulkStatus.CANCELLING)
 
 
 def list_bulks(conn: redis.Redis, limit: int = 100) -> list[str]:
-    return [_text(x) for x in conn.zrevrange(keys.bulk_index(), 0, limit - 1)]
+    return [as_str(x) for x in conn.zrevrange(keys.bulk_index(), 0, limit - 1)]
 
 
 def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]:
@@ -269,12 +266,12 @@ def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]
     for bulk_id in list_bulks(conn, limit=1000):
         key = keys.bulk_hash(bulk_id)
         status, rq_job_id = conn.hmget(key, "status", "rq_job_id")
-        if status is None or BulkStatus(_text(status)).is_final:
+        if status is None or BulkStatus(as_str(status)).is_final:
             continue
         if conn.exists(keys.bulk_lock(bulk_id)):
             continue  # an orchestrator holds the lease
         if rq_job_id:
-            st = fetch_job_status(conn, _text(rq_job_id))
+            st = fetch_job_status(conn, as_str(rq_job_id))
             if st in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
                 continue
             if st == JobStatus.STARTED and time.time() - _heartbeat_at(conn, bulk_id) < LEASE_S:
@@ -292,7 +289,7 @@ def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]
 
 
 def _heartbeat_at(conn: redis.Redis, bulk_id: str) -> float:
-    return float(_text(conn.hget(keys.bulk_hash(bulk_id), "heartbeat_at") or 0))
+    return float(as_str(conn.hget(keys.bulk_hash(bulk_id), "heartbeat_at") or 0))
 
 
 def dumps_status(status: dict[str, Any]) -> str:

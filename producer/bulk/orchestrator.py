@@ -43,6 +43,7 @@ from pagestream.producer.protocol.redis_conn import is_cluster, outage_proof, ou
 from pagestream.producer.protocol.settings import redis_url as main_redis_url
 from pagestream.producer.protocol.settings import rq_redis_url
 from pagestream.producer.protocol.schema import JobRequest, OutputTarget, format_validation_error
+from pagestream.producer.protocol.wire import as_str
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +83,6 @@ class BulkFailed(RuntimeError):
 
 class LeaseLost(RuntimeError):
     """Another orchestrator took over this bulk; this one stops without writing."""
-
-
-def _text(v: Any) -> Any:
-    return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
 def run_bulk(bulk_id: str, redis_url: str | None = None) -> dict[str, Any]:
@@ -156,10 +153,10 @@ class Orchestrator:
 
     # ---- state ------------------------------------------------------------------------------
     def state(self) -> dict[str, str]:
-        return {_text(k): _text(v) for k, v in self.conn.hgetall(self.key).items()}
+        return {as_str(k): as_str(v) for k, v in self.conn.hgetall(self.key).items()}
 
     def status(self) -> BulkStatus:
-        return BulkStatus(_text(self.conn.hget(self.key, "status")))
+        return BulkStatus(as_str(self.conn.hget(self.key, "status")))
 
     def summary(self) -> dict[str, Any]:
         st = self.state()
@@ -383,7 +380,7 @@ class Orchestrator:
             with self.conn.pipeline(transaction=True) as pipe:  # the lease and status hash share the bulk's slot
                 try:
                     pipe.watch(self.lock_key)
-                    if _text(pipe.get(self.lock_key)) != self.token:
+                    if as_str(pipe.get(self.lock_key)) != self.token:
                         raise LeaseLost(f"bulk {self.bulk_id}: lease lost before commit")
                     if last_line is not None and int(pipe.hget(self.key, "line") or 0) >= last_line:
                         return  # this commit landed but its reply was lost (Redis went away): not twice

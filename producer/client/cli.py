@@ -17,6 +17,7 @@ from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.redis_conn import connect
 from pagestream.producer.protocol.schema import Lane
 from pagestream.producer.protocol.cli import fail, redis_url_option, resolve_url
+from pagestream.producer.protocol.wire import as_str
 
 
 RedisUrl = redis_url_option()
@@ -24,10 +25,6 @@ RedisUrl = redis_url_option()
 
 def _client(url: str | None) -> redis.Redis:
     return connect(resolve_url(url))
-
-
-def _s(v) -> str | None:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
 
 def _when(ts: float | str | None) -> str:
@@ -143,7 +140,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="print the job's fields as JSON"),
 ) -> None:
     """A job's status, lane, times, worker and error."""
-    state = {_s(k): _s(v) for k, v in _client(redis_url).hgetall(keys.job_hash(job_id)).items()}
+    state = {as_str(k, "replace"): as_str(v, "replace") for k, v in _client(redis_url).hgetall(keys.job_hash(job_id)).items()}
     if not state:
         fail(f"no job {job_id} (never submitted, or its result expired)")
     result = json.loads(state["result"]) if state.get("result") else {}

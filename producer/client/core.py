@@ -25,7 +25,7 @@ from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.lanes import SINGLE, LaneLayout, layout_args
 from pagestream.producer.protocol.redis_conn import queue_script
 from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, TokenEvent
-from pagestream.producer.protocol.wire import END_TYPE, JOB_FIELD, TYPE_FIELD, EventDeduper, decode_out_entry, is_end_entry, job_fields
+from pagestream.producer.protocol.wire import as_str, decode_out_entry, is_end_entry, job_fields, END_TYPE, EventDeduper, JOB_FIELD, TYPE_FIELD
 
 _FINAL = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_final)
 
@@ -185,10 +185,6 @@ def build_request(request: JobRequest | dict | None = None, **fields: Any) -> Jo
     return request
 
 
-def _s(v: bytes | str | None) -> str | None:
-    return v.decode("utf-8") if isinstance(v, bytes) else v
-
-
 def queued_key_ttl_s(job: JobRequest) -> int:
     """TTL of a queued job's hash: its result TTL past the end of its queueing window (its
     deadline, else ``QUEUED_JOB_KEY_TTL_S``)."""
@@ -271,7 +267,7 @@ class ProducerCore:
         wanted = {j.model for j in jobs if j.model is not None and self._live_until.get(j.model, 0.0) < now}
         if not wanted:
             return
-        served = [_s(m) for m in (yield live_models_call())]
+        served = [as_str(m) for m in (yield live_models_call())]
         for m in served:
             self._live_until[m] = now + self.MODEL_CACHE_S
         for m in sorted(wanted):
@@ -327,7 +323,7 @@ class ProducerCore:
         pipe = yield Call("pipeline", kwargs={"transaction": False})
         for (job, lane_key, _), entry_id in zip(placed, entry_ids):
             yield Call("claim", script=True, kwargs={"client": pipe, "keys": [keys.job_hash(job.job_id)],
-                                                     "args": [_s(entry_id), lane_key]})
+                                                     "args": [as_str(entry_id), lane_key]})
         # ring the idle workers' doorbell once the entries are in (after their XADD round trip),
         # naming the shards, so a woken worker reads those instead of every shard
         for model in sorted({job.model or "" for job, _, _ in placed}):
@@ -337,7 +333,7 @@ class ProducerCore:
         n_rings = len({job.model or "" for job, _, _ in placed})
         settled = (yield Call("execute", on=pipe))[:-n_rings]
         # a lost claim names the winner; none named (the hash expired meanwhile): keep the entry, a worker runs it
-        losers = [(stream, _s(eid)) for (_, _, stream), eid, (won, winner, _) in zip(placed, entry_ids, settled)
+        losers = [(stream, as_str(eid)) for (_, _, stream), eid, (won, winner, _) in zip(placed, entry_ids, settled)
                   if not int(won) and winner]
         if losers:  # another entry of the job (an earlier attempt's) is the one that runs
             pipe = yield Call("pipeline", kwargs={"transaction": False})
@@ -377,11 +373,11 @@ class ProducerCore:
 
     def status(self, job_id: str) -> Steps:
         st = yield Call("hget", (keys.job_hash(job_id), "status"))
-        return JobStatus(_s(st)) if st is not None else None
+        return JobStatus(as_str(st)) if st is not None else None
 
     def cancel(self, job_id: str) -> Steps:
         st = yield cancel_script_call(job_id, self.cluster)
-        status = JobStatus(_s(st)) if st else None
+        status = JobStatus(as_str(st)) if st else None
         if self.cluster and status is not None and not status.is_final:
             # after the job hash says cancel_requested: a worker told first could admit the job before
             # the flag is there. A crash between the two leaves the flag, which intake checks; a
@@ -390,7 +386,7 @@ class ProducerCore:
         return status
 
     def live_models(self) -> Steps:
-        return sorted(_s(m) for m in (yield live_models_call()))
+        return sorted(as_str(m) for m in (yield live_models_call()))
 
     def result(self, job_id: str, timeout: float | None) -> Steps:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -404,20 +400,20 @@ class ProducerCore:
                 # the result in one transaction, so a result missed below has its end entry after this id
                 # and the XREAD wakes at once (read the other way round, it would sleep a full block).
                 newest = yield from self._read(Call("xrevrange", (out_key,), {"count": 1}, retry=True), what, reached)
-                last = _s(newest[0][0]) if newest else "0-0"
+                last = as_str(newest[0][0]) if newest else "0-0"
                 reached = True
             raw, st = yield from self._read(Call("hmget", (keys.job_hash(job_id), ["result", "status"]), retry=True), what)
             if raw is not None:
                 return JobResult.model_validate_json(raw)
             if st is None:
                 raise JobNotFound(job_id)
-            block_ms = _block_ms(deadline, lambda: f"job {job_id} not finished after {timeout} s (status {_s(st)})")
+            block_ms = _block_ms(deadline, lambda: f"job {job_id} not finished after {timeout} s (status {as_str(st)})")
             # Wake as soon as the worker writes anything to the job's stream; the end entry
             # and the result are written in one transaction (re-checked on the next turn).
             resp = yield from self._read(Call("xread", ({out_key: last},), {"count": 1000, "block": block_ms}, retry=True), what)
             for _, entries in resp or []:
                 if entries:
-                    last = _s(entries[-1][0])
+                    last = as_str(entries[-1][0])
 
     def results(self, job_ids: list[str], timeout: float | None) -> Steps:
         """``result`` for many jobs at once, in the order of ``job_ids``.
@@ -451,7 +447,7 @@ class ProducerCore:
                         [Call("xrevrange", (stream_of[j],), {"count": 1}) for j in fresh], what, reached)
                     reached = True
                     for j, entries in zip(fresh, newest):
-                        last[j] = _s(entries[0][0]) if entries else "0-0"
+                        last[j] = as_str(entries[0][0]) if entries else "0-0"
                 rows = yield from self._read(
                     [Call("hmget", (keys.job_hash(j), ["result", "status"])) for j in check], what)
                 for j, (raw, st) in zip(check, rows):
@@ -472,7 +468,7 @@ class ProducerCore:
             for key, entries in resp:
                 j = job_of[key if isinstance(key, bytes) else key.encode()]
                 if entries:
-                    last[j] = _s(entries[-1][0])
+                    last[j] = as_str(entries[-1][0])
                     if any(is_end_entry(f) for _, f in entries):
                         check.append(j)
 
@@ -494,7 +490,7 @@ class ProducerCore:
                 exists = yield from self._read(Call("exists", (out_key,), retry=True), what)
                 if st is None and not exists:
                     raise JobNotFound(job_id)
-                if st is not None and JobStatus(_s(st)).is_final and not exists:
+                if st is not None and JobStatus(as_str(st)).is_final and not exists:
                     return None
                 if timeout is not None and time.monotonic() - idle_since > timeout:
                     raise TimeoutError(f"no event for job {job_id} in {timeout} s")
@@ -502,7 +498,7 @@ class ProducerCore:
             idle_since = time.monotonic()
             for _, entries in resp:
                 for entry_id, fields in entries:
-                    last = _s(entry_id)
+                    last = as_str(entry_id)
                     ev = decode_out_entry(job_id, fields)
                     if isinstance(ev, str):
                         return ev  # the end entry's status
