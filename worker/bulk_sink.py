@@ -29,7 +29,8 @@ import redis
 from pagestream.producer.protocol import keys
 from pagestream.producer.bulk.api import BulkSpec, BulkStatus
 from pagestream.producer.bulk.parts import PartEntry, line_of_job_id, result_entry
-from pagestream.producer.bulk.storage import Storage, StorageError, StorageSettings, open_storage
+from pagestream.producer.bulk.storage import StorageError, StorageSettings
+from pagestream.producer.bulk.stores import Storage, open_storage
 from pagestream.producer.protocol.wire import as_str
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,8 @@ from pagestream.producer.bulk.api import (
 from pagestream.producer.bulk.finalize import MANIFEST
 from pagestream.producer.bulk.io import CHAT_URL, SUPPORTED_URLS
 from pagestream.producer.bulk.rq_queue import BULK_QUEUE
-from pagestream.producer.bulk.storage import Storage, StorageSettings, open_storage
+from pagestream.producer.bulk.storage import StorageSettings
+from pagestream.producer.bulk.stores import Storage, open_storage
 from pagestream.producer.protocol.errors import NotFound, RequestError
 from pagestream.producer.protocol.wire import as_str
 

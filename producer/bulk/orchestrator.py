@@ -36,7 +36,8 @@ from pagestream.producer.bulk.api import LEASE_S, BulkSpec, BulkStatus, load_spe
 from pagestream.producer.bulk.finalize import PARTS_PREFIX, compact, list_parts, manifest_header, remove_parts
 from pagestream.producer.bulk.io import CHAT_URL, COMPLETIONS_URL, BadLine, BulkRequest, max_line_bytes, parse_line
 from pagestream.producer.bulk.parts import error_entry, request_id
-from pagestream.producer.bulk.storage import StorageError, StorageSettings, open_input, open_storage
+from pagestream.producer.bulk.storage import StorageError, StorageSettings
+from pagestream.producer.bulk.stores import open_input, open_storage
 from pagestream.producer.client.producer import Producer
 from pagestream.producer.protocol.limits import job_limits
 from pagestream.producer.protocol.redis_conn import is_cluster, outage_proof, outage_retry, same_server
