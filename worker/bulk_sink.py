@@ -31,6 +31,7 @@ from pagestream.producer.bulk.api import BulkSpec, BulkStatus
 from pagestream.producer.bulk.parts import PartEntry, line_of_job_id, result_entry
 from pagestream.producer.bulk.storage import StorageError, StorageSettings
 from pagestream.producer.bulk.stores import Storage, open_storage
+from pagestream.producer.protocol.redis_conn import Backoff
 from pagestream.producer.protocol.wire import as_str
 
 log = logging.getLogger(__name__)
