@@ -26,6 +26,7 @@ from typing import Any
 
 import redis
 
+from pagestream.producer.protocol import job as job_hash
 from pagestream.producer.protocol import keys
 from pagestream.producer.bulk.api import BulkSpec, BulkStatus
 from pagestream.producer.bulk.parts import PartEntry, line_of_job_id, result_entry
@@ -185,7 +186,7 @@ class BulkSink:
         pipe = self.redis.pipeline(transaction=False)
         for (job_id, ttl), (_, _, entry) in zip(buf.jobs, buf.items):
             jh = keys.job_hash(job_id)
-            pipe.hset(jh, mapping={"status": "completed" if entry.ok else "failed", "bulk_id": bulk_id})
+            job_hash.queue_bulk_done(pipe, jh, entry.ok, bulk_id)
             pipe.expire(jh, ttl)
         pipe.execute()
         del self._buffers[bulk_id]

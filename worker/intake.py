@@ -19,6 +19,7 @@ from typing import Any
 import redis
 
 from pagestream.engine.errors import EngineDeadError
+from pagestream.producer.protocol import job as job_hash
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.redis_conn import Backoff
 from pagestream.producer.protocol.schema import JobRequest, JobStatus
@@ -37,9 +38,6 @@ log = logging.getLogger(__name__)
 FULL_PULL_INTERVAL_S = 0.1
 #: entries checked and admitted together when a read returns a burst
 ACCEPT_CHUNK = 32
-
-_FINAL = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED)
-
 
 class Intake:
     def __init__(
@@ -194,17 +192,17 @@ class Intake:
         else:
             pipe = self.redis.pipeline(transaction=False)
             for a in jobs:
-                pipe.hmget(keys.job_hash(a.job_id), ["status", "cancel_requested"])
+                job_hash.queue_intake_read(pipe, keys.job_hash(a.job_id))
             states = [(status, cancel_requested, True) for status, cancel_requested in pipe.execute()]
         resume_from: list[ActiveJob] = []
         now = time.time()
         for a, (status, cancel_requested, own_entry) in zip(jobs, states):
-            st = status.decode() if status else None
+            st = job_hash.status_of(status)
             a.has_job_hash = st is not None
             if not own_entry:  # a second entry of a job whose submit was retried on a cluster: the other one runs
                 ops.append(Ack(a.delivery.lane, [a.delivery.entry_id]))
                 continue
-            if not a.is_bulk and st in _FINAL:
+            if not a.is_bulk and st is not None and st.is_final:
                 ops.append(Ack(a.delivery.lane, [a.delivery.entry_id]))
                 continue
             if not a.is_bulk and cancel_requested:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from pagestream.producer.protocol import job as job_hash
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.redis_conn import Backoff, is_cluster
 from pagestream.producer.protocol.schema import JobResult, JobStatus
@@ -241,7 +242,7 @@ class Publisher:
         for op in b.ops:
             if isinstance(op, Start):
                 jh = keys.job_hash(op.job_id)
-                pipe.hset(jh, mapping={"status": "running", "worker": op.worker, "started_at": repr(op.started_at), "deliveries": op.deliveries})
+                job_hash.queue_start(pipe, jh, op.worker, op.started_at, op.deliveries)
                 # a job that never finishes (every worker dies, nobody reclaims) does not leak its keys
                 pipe.expire(jh, _ttl(op.result_ttl_s))
                 pipe.expire(keys.out_stream(op.job_id), _ttl(op.result_ttl_s))  # a resumed job's stream exists already
@@ -250,7 +251,7 @@ class Publisher:
                 ttl = _ttl(op.result_ttl_s)
                 if op.write_result:
                     jh, out = keys.job_hash(r.job_id), keys.out_stream(r.job_id)
-                    pipe.hset(jh, mapping={"status": r.status.value, "result": result_json, "finished_at": repr(r.finished_at)})
+                    job_hash.queue_final(pipe, jh, r.status, result_json, r.finished_at)
                     pipe.xadd(out, end_fields(r.status.value))
                     pipe.expire(jh, ttl)
                     pipe.expire(out, ttl)

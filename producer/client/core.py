@@ -22,91 +22,16 @@ import redis
 from redis.backoff import ExponentialBackoff
 
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.job import RESULT_READ, SCRIPTS, JobField
 from pagestream.producer.protocol.lanes import SINGLE, LaneLayout, layout_args
 from pagestream.producer.protocol.redis_conn import queue_script
 from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, TokenEvent
-from pagestream.producer.protocol.wire import as_str, decode_out_entry, is_end_entry, job_fields, END_TYPE, EventDeduper, JOB_FIELD, TYPE_FIELD
-
-_FINAL = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_final)
+from pagestream.producer.protocol.wire import JOB_FIELD, EventDeduper, as_str, decode_out_entry, is_end_entry, job_fields
 
 #: how long a queued job's hash lives when the job has no deadline: a job that no worker ever
 #: starts (or whose worker dies unreclaimed) does not leave keys forever. A worker sets the
 #: key's TTL again when it starts the job and when it ends it.
 QUEUED_JOB_KEY_TTL_S = 7 * 24 * 3600
-
-# KEYS: job hash, lane stream. ARGV: job json, lane, created_at, result_ttl_s, key TTL while queued
-SUBMIT_LUA = f"""
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {{0, redis.call('HGET', KEYS[1], 'entry_id') or ''}}
-end
-local id = redis.call('XADD', KEYS[2], '*', '{JOB_FIELD}', ARGV[1])
-redis.call('HSET', KEYS[1], 'status', '{JobStatus.QUEUED.value}', 'lane', ARGV[2], 'entry_id', id,
-           'created_at', ARGV[3], 'result_ttl_s', ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
-return {{1, id}}
-"""
-
-# KEYS: job hash, out stream, cancel stream. ARGV: job id, result json (if still queued), now
-CANCEL_LUA = f"""
-local final = {{}}
-for _, s in ipairs({{{_FINAL}}}) do final[s] = true end
-local st = redis.call('HGET', KEYS[1], 'status')
-if not st then return false end
-if final[st] then return st end
-redis.call('HSET', KEYS[1], 'cancel_requested', ARGV[3])
-if st == '{JobStatus.QUEUED.value}' then
-  local ttl = tonumber(redis.call('HGET', KEYS[1], 'result_ttl_s') or '86400')
-  redis.call('HSET', KEYS[1], 'status', '{JobStatus.CANCELLED.value}', 'result', ARGV[2], 'finished_at', ARGV[3])
-  redis.call('XADD', KEYS[2], '*', '{TYPE_FIELD}', '{END_TYPE}', 'status', '{JobStatus.CANCELLED.value}')
-  redis.call('EXPIRE', KEYS[1], ttl)
-  redis.call('EXPIRE', KEYS[2], ttl)
-end
-if KEYS[3] then  -- on a cluster the cancel stream is in another slot: the caller XADDs it next
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'job_id', ARGV[1])
-end
-return st
-"""
-
-# Redis Cluster: the job hash and the lane shard are in different slots, so a submit is three
-# steps, each in one slot, ordered so a crash anywhere keeps "accepted once XADD returned" and
-# at most one entry runs per job (RELIABILITY.md, "Redis Cluster"):
-#   1. RESERVE (job slot): a job whose hash names its entry already is a no-op; else the hash
-#      is written as queued (without an entry) before anything is queued, so a worker reading
-#      the entry always finds it. A half-done submit (hash, no entry) goes on to step 2.
-#   2. XADD to the lane shard (the shard's slot).
-#   3. SETTLE (job slot): the first entry named in the hash wins (HSETNX). A worker that reads an
-#      entry before step 3 names it the same way (worker.intake), so a retried submit whose earlier
-#      XADD survived a crash leaves a second entry that loses, and is deleted here or acked unrun by
-#      the worker that reads it.
-# KEYS: job hash. ARGV: lane, created_at, result_ttl_s, key TTL while queued
-RESERVE_LUA = f"""
-local st, e = unpack(redis.call('HMGET', KEYS[1], 'status', 'entry_id'))
-if e then return {{0, e}} end
-if st then
-  if st ~= '{JobStatus.QUEUED.value}' then return {{0, ''}} end
-  return {{1, ''}}
-end
-redis.call('HSET', KEYS[1], 'status', '{JobStatus.QUEUED.value}', 'lane', ARGV[1], 'created_at', ARGV[2],
-           'result_ttl_s', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return {{1, ''}}
-"""
-
-# KEYS: job hash. ARGV: entry id, lane key (keys.lane_key). Returns {won 1/0, entry id, lane key} of the
-# job's entry. Used by the producer (step 3 above) and by a worker that reads the entry first.
-CLAIM_ENTRY_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0, '', ''} end
-if redis.call('HSETNX', KEYS[1], 'entry_id', ARGV[1]) == 1 then
-  redis.call('HSET', KEYS[1], 'entry_lane', ARGV[2])
-  return {1, ARGV[1], ARGV[2]}
-end
-local e, l = unpack(redis.call('HMGET', KEYS[1], 'entry_id', 'entry_lane'))
-l = l or ''
-if e == ARGV[1] and l == ARGV[2] then return {1, e, l} end
-return {0, e, l}
-"""
-
-SCRIPTS = {"submit": SUBMIT_LUA, "cancel": CANCEL_LUA, "reserve": RESERVE_LUA, "claim": CLAIM_ENTRY_LUA}
 
 
 def call_script(script: Any, keys_: list, args: list, client: Any) -> Any:
@@ -302,7 +227,7 @@ class ProducerCore:
         return [j.job_id for j in jobs]
 
     def _submit_sharded(self, jobs: list[JobRequest]) -> Steps:
-        """Reserve, XADD, settle (the comment above RESERVE_LUA): three pipelined round trips for any number of jobs."""
+        """Reserve, XADD, settle (the comment above producer.protocol.job.RESERVE_LUA): three pipelined round trips for any number of jobs."""
         layout = yield from self.layout()
         pipe = yield Call("pipeline", kwargs={"transaction": False})
         for job in jobs:
@@ -372,7 +297,7 @@ class ProducerCore:
             yield Sleep(backoff.compute(failures))
 
     def status(self, job_id: str) -> Steps:
-        st = yield Call("hget", (keys.job_hash(job_id), "status"))
+        st = yield Call("hget", (keys.job_hash(job_id), JobField.STATUS))
         return JobStatus(as_str(st)) if st is not None else None
 
     def cancel(self, job_id: str) -> Steps:
@@ -402,7 +327,7 @@ class ProducerCore:
                 newest = yield from self._read(Call("xrevrange", (out_key,), {"count": 1}, retry=True), what, reached)
                 last = as_str(newest[0][0]) if newest else "0-0"
                 reached = True
-            raw, st = yield from self._read(Call("hmget", (keys.job_hash(job_id), ["result", "status"]), retry=True), what)
+            raw, st = yield from self._read(Call("hmget", (keys.job_hash(job_id), RESULT_READ), retry=True), what)
             if raw is not None:
                 return JobResult.model_validate_json(raw)
             if st is None:
@@ -449,7 +374,7 @@ class ProducerCore:
                     for j, entries in zip(fresh, newest):
                         last[j] = as_str(entries[0][0]) if entries else "0-0"
                 rows = yield from self._read(
-                    [Call("hmget", (keys.job_hash(j), ["result", "status"])) for j in check], what)
+                    [Call("hmget", (keys.job_hash(j), RESULT_READ)) for j in check], what)
                 for j, (raw, st) in zip(check, rows):
                     if raw is not None:
                         got[j] = JobResult.model_validate_json(raw)
@@ -486,7 +411,7 @@ class ProducerCore:
                                          what, reached)
             reached = True
             if not resp:
-                st = yield from self._read(Call("hget", (keys.job_hash(job_id), "status"), retry=True), what)
+                st = yield from self._read(Call("hget", (keys.job_hash(job_id), JobField.STATUS), retry=True), what)
                 exists = yield from self._read(Call("exists", (out_key,), retry=True), what)
                 if st is None and not exists:
                     raise JobNotFound(job_id)
