@@ -27,6 +27,7 @@ from typing import Any
 import redis
 
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.bulk import BulkField
 from pagestream.producer.bulk.api import (
     BulkSpec,
     BulkStatus,
@@ -212,17 +213,17 @@ def batch_object(conn: redis.Redis, bulk_id: str, files: FileStore | None = None
     fields (input/output URIs, lines read, manifest). Raises ``KeyError`` for an unknown bulk."""
     st = get_bulk(conn, bulk_id)
     spec = load_spec(conn, bulk_id)
-    cancel_at, seen_endpoint = (as_str(v) for v in conn.hmget(keys.bulk_hash(bulk_id), "cancel_requested", "endpoint"))
-    status = BulkStatus(st["status"])
-    finished = int(st["finished_at"]) if st.get("finished_at") else None
-    manifest = _manifest(spec) if status.is_final and st.get("manifest") else None
+    cancel_at, seen_endpoint = (as_str(v) for v in conn.hmget(keys.bulk_hash(bulk_id), BulkField.CANCEL_REQUESTED, BulkField.ENDPOINT))
+    status = BulkStatus(st[BulkField.STATUS])
+    finished = int(st[BulkField.FINISHED_AT]) if st.get(BulkField.FINISHED_AT) else None
+    manifest = _manifest(spec) if status.is_final and st.get(BulkField.MANIFEST) else None
     out_id, err_id = output_file_ids(bulk_id, manifest)
     if files is not None and manifest is not None:
         register_outputs(files, bulk_id, manifest)
     window = spec.completion_window_s
     errors = None
-    if st.get("error"):
-        errors = {"object": "list", "data": [{"code": "batch_failed", "message": st["error"], "line": None, "param": None}]}
+    if st.get(BulkField.ERROR):
+        errors = {"object": "list", "data": [{"code": "batch_failed", "message": st[BulkField.ERROR], "line": None, "param": None}]}
 
     def at(s: BulkStatus) -> int | None:
         return finished if status == s else None

@@ -33,8 +33,7 @@ from pagestream.producer.protocol.settings import ENV_PREFIX, S3_ADDRESSING_ENV,
 _READ_CHUNK_BYTES = 1024 * 1024
 
 
-#: how boto3 addresses a bucket: "path" for most MinIO / moto set-ups, "virtual" for AWS
-AddressingStyle = Literal["auto", "virtual", "path"]
+from pagestream.producer.protocol.bulk import AddressingStyle  # noqa: E402 (re-exported)
 
 
 class StorageSettings(BaseSettings):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Union
 
 from pagestream.producer.bulk.storage import LocalStorage, StorageSettings, is_s3, local_path
+from pagestream.producer.protocol.bulk import BulkSpec
 
 if TYPE_CHECKING:
     from pagestream.producer.bulk.s3 import S3Storage
@@ -38,3 +39,9 @@ def open_input(uri: str, settings: StorageSettings | None = None) -> tuple[Stora
         return S3Storage(f"s3://{bucket}", settings=settings), key
     path = local_path(uri)
     return LocalStorage(str(path.parent)), path.name
+
+
+def storage_settings_for(spec: BulkSpec, base: StorageSettings | None = None) -> StorageSettings:
+    """``base`` (default: this process's environment) with the bulk's own S3 location on top."""
+    mine = {k: getattr(spec, k) for k in ("s3_endpoint_url", "s3_region", "s3_addressing_style") if getattr(spec, k)}
+    return (base or StorageSettings()).model_copy(update=mine)
