@@ -190,3 +190,22 @@ def test_the_worker_imports_only_the_contract_and_the_bulk_storage():
                         not any(n == ok or n.startswith(ok + ".") for ok in _WORKER_MAY_IMPORT):
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {n}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_three_engines_satisfy_the_workers_engine_protocol():
+    """LLMEngine, EngineProcess and FakeEngine have every method the worker calls (worker/engine_api.py)."""
+    import inspect
+
+    from pagestream.engine.core_process import EngineProcess
+    from pagestream.engine.llm_engine import LLMEngine
+    from pagestream.worker.engine_api import Engine
+    from pagestream.worker.fake_engine import FakeEngine
+
+    assert isinstance(FakeEngine(), Engine)
+    wanted = {n for n, v in vars(Engine).items() if inspect.isfunction(v) and not n.startswith("_")}
+    assert {"add_request", "step", "abort_request", "num_admittable"} <= wanted
+    for cls in (LLMEngine, EngineProcess, FakeEngine):
+        missing = sorted(n for n in wanted if not callable(getattr(cls, n, None)))
+        assert not missing, f"{cls.__name__} lacks {missing}"
+        params = inspect.signature(cls.add_request).parameters
+        assert {"prompt", "params", "prompt_token_ids", "resume_token_ids", "priority"} <= set(params), cls

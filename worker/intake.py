@@ -25,6 +25,7 @@ from pagestream.producer.protocol.redis_conn import Backoff
 from pagestream.producer.protocol.schema import JobRequest, JobStatus
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
+from pagestream.worker.engine_api import Engine
 from pagestream.worker.jobs import ActiveJob, InvalidJob, claim_entries, load_history, parse_delivery
 from pagestream.worker.loop_state import Entry, LoopState
 from pagestream.worker.metrics import WorkerMetrics
@@ -43,7 +44,7 @@ class Intake:
     def __init__(
         self,
         client: redis.Redis,
-        engine: Any,
+        engine: Engine,
         settings: WorkerSettings,
         consumer: Consumer,
         state: LoopState,

@@ -24,6 +24,7 @@ from pagestream.producer.protocol.schema import JobStatus
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
 from pagestream.worker.control import ControlThread
+from pagestream.worker.engine_api import Engine
 from pagestream.worker.intake import Intake
 from pagestream.worker.jobs import ActiveJob
 from pagestream.worker.loop_state import LoopState
@@ -40,7 +41,7 @@ DEADLINE_SCAN_S = 0.05
 
 
 class Worker:
-    def __init__(self, client: redis.Redis, engine: Any, settings: WorkerSettings, sink: Any = None,
+    def __init__(self, client: redis.Redis, engine: Engine, settings: WorkerSettings, sink: Any = None,
                  metrics: WorkerMetrics | None = None) -> None:
         self.redis, self.engine, self.settings, self.name = client, engine, settings, settings.consumer
         if settings.max_num_seqs is None:  # read as many jobs as the engine runs at once
@@ -52,7 +53,7 @@ class Worker:
         self.bulk = BulkJobs(client, settings, sink)
         self._active: dict[str, ActiveJob] = {}  # job_id -> job in the engine
         self.results = Results(client, settings, self.consumer, self.bulk, self.state, self.metrics)
-        self.results.token_texts.tokenizer = getattr(engine, "tokenizer", None)  # logprobs name their tokens
+        self.results.token_texts.tokenizer = engine.tokenizer  # logprobs name their tokens
         self.intake = Intake(client, engine, settings, self.consumer, self.state, self.results, self.bulk, self.metrics, self._active, self.publisher.put)
         self._stop_requested = 0  # 1 warm, 2 cold
         self._control: ControlThread | None = None
