@@ -27,6 +27,7 @@ from typing import Any
 import redis
 
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.bulk import BulkField
 from pagestream.producer.bulk.api import (
     BulkSpec,
     BulkStatus,
@@ -40,18 +41,16 @@ from pagestream.producer.bulk.api import (
 from pagestream.producer.bulk.finalize import MANIFEST
 from pagestream.producer.bulk.io import CHAT_URL, SUPPORTED_URLS
 from pagestream.producer.bulk.rq_queue import BULK_QUEUE
-from pagestream.producer.bulk.storage import Storage, StorageSettings, open_storage
+from pagestream.producer.bulk.storage import StorageSettings
+from pagestream.producer.bulk.stores import Storage, open_storage
 from pagestream.producer.protocol.errors import NotFound, RequestError
+from pagestream.producer.protocol.wire import as_str
 
 FILE_PURPOSES = ("batch",)
 #: OpenAI offers one completion window; a batch not done by then ends ``expired`` with what is done
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 _OUTPUT_FILE = re.compile(r"^file-(batch_[A-Za-z0-9]+)-(output|errors)$")
 _DOWNLOAD_CHUNK_BYTES = 1024 * 1024
-
-
-def _text(v: Any) -> Any:
-    return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
 def _storage_settings(spec: BulkSpec | None = None, settings: StorageSettings | None = None) -> StorageSettings:
@@ -106,13 +105,13 @@ class FileStore:
                 raw = self.conn.hget(keys.file_hash(file_id), "record")
         if raw is None:
             raise NotFound("file", file_id, "file_id")
-        return json.loads(_text(raw))
+        return json.loads(as_str(raw))
 
     def get(self, file_id: str) -> dict[str, Any]:
         return public_file(self.record(file_id))
 
     def list(self, purpose: str | None = None, limit: int = 10_000, after: str | None = None) -> dict[str, Any]:
-        ids = [_text(x) for x in self.conn.zrevrange(keys.files_index(), 0, -1)]
+        ids = [as_str(x) for x in self.conn.zrevrange(keys.files_index(), 0, -1)]
         if after is not None:
             ids = ids[ids.index(after) + 1:] if after in ids else []
         data = []
@@ -120,7 +119,7 @@ class FileStore:
             raw = self.conn.hget(keys.file_hash(file_id), "record")
             if raw is None:
                 continue  # deleted meanwhile
-            rec = json.loads(_text(raw))
+            rec = json.loads(as_str(raw))
             if purpose is None or rec["purpose"] == purpose:
                 data.append(public_file(rec))
             if len(data) > limit:
@@ -214,17 +213,17 @@ def batch_object(conn: redis.Redis, bulk_id: str, files: FileStore | None = None
     fields (input/output URIs, lines read, manifest). Raises ``KeyError`` for an unknown bulk."""
     st = get_bulk(conn, bulk_id)
     spec = load_spec(conn, bulk_id)
-    cancel_at, seen_endpoint = (_text(v) for v in conn.hmget(keys.bulk_hash(bulk_id), "cancel_requested", "endpoint"))
-    status = BulkStatus(st["status"])
-    finished = int(st["finished_at"]) if st.get("finished_at") else None
-    manifest = _manifest(spec) if status.is_final and st.get("manifest") else None
+    cancel_at, seen_endpoint = (as_str(v) for v in conn.hmget(keys.bulk_hash(bulk_id), BulkField.CANCEL_REQUESTED, BulkField.ENDPOINT))
+    status = BulkStatus(st[BulkField.STATUS])
+    finished = int(st[BulkField.FINISHED_AT]) if st.get(BulkField.FINISHED_AT) else None
+    manifest = _manifest(spec) if status.is_final and st.get(BulkField.MANIFEST) else None
     out_id, err_id = output_file_ids(bulk_id, manifest)
     if files is not None and manifest is not None:
         register_outputs(files, bulk_id, manifest)
     window = spec.completion_window_s
     errors = None
-    if st.get("error"):
-        errors = {"object": "list", "data": [{"code": "batch_failed", "message": st["error"], "line": None, "param": None}]}
+    if st.get(BulkField.ERROR):
+        errors = {"object": "list", "data": [{"code": "batch_failed", "message": st[BulkField.ERROR], "line": None, "param": None}]}
 
     def at(s: BulkStatus) -> int | None:
         return finished if status == s else None
