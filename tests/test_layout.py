@@ -312,7 +312,7 @@ def test_the_three_engines_satisfy_the_workers_engine_protocol():
     """LLMEngine, EngineProcess and FakeEngine have every method the worker calls (worker/engine_api.py)."""
     import inspect
 
-    from pagestream.engine.core_process import EngineProcess
+    from pagestream.engine.engine_process import EngineProcess
     from pagestream.engine.llm_engine import LLMEngine
     from pagestream.worker.engine_api import Engine
     from pagestream.worker.fake_engine import FakeEngine

@@ -100,11 +100,11 @@ class Worker:
                 try:
                     did_work = self._iteration(block=not burst)
                     backoff.reset()
-                except EngineDeadError:
+                except EngineDeadError as exc:
                     # No later step can succeed (a tensor-parallel rank died): exit, and let the teardown
                     # hand every job back for other workers to reclaim, rather than fail every job through
                     # max_deliveries here.
-                    log.critical("the engine died; stopping this worker so its jobs go to others", exc_info=True)
+                    log.critical("the engine died (%s); stopping this worker so its jobs go to others", exc)
                     raise
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     delay = backoff.next()
