@@ -32,6 +32,7 @@ from typing import Any
 import redis
 
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.bulk import BulkField
 from pagestream.producer.bulk.api import (
     BulkSpec,
     BulkStatus,
@@ -44,9 +45,11 @@ from pagestream.producer.bulk.api import (
 from pagestream.producer.bulk.finalize import MANIFEST
 from pagestream.producer.bulk.io import CHAT_URL, SUPPORTED_URLS
 from pagestream.producer.bulk.rq_queue import BULK_QUEUE
-from pagestream.producer.bulk.storage import Storage, StorageSettings, open_storage
+from pagestream.producer.bulk.storage import StorageSettings
+from pagestream.producer.bulk.stores import Storage, open_storage
 from pagestream.producer.protocol.errors import NotFound, RequestError
 from pagestream.producer.protocol.tenants import ANONYMOUS, OPEN, TENANT_FIELD, Tenant
+from pagestream.producer.protocol.wire import as_str
 
 FILE_PURPOSES = ("batch",)
 #: OpenAI offers one completion window; a batch not done by then ends ``expired`` with what is done
@@ -55,10 +58,6 @@ _OUTPUT_FILE = re.compile(r"^file-(batch_[A-Za-z0-9]+)-(output|errors)$")
 _DOWNLOAD_CHUNK_BYTES = 1024 * 1024
 #: ids read from an index per round trip while a page is filled
 _INDEX_CHUNK = 256
-
-
-def _text(v: Any) -> Any:
-    return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
 def _storage_settings(spec: BulkSpec | None = None, settings: StorageSettings | None = None) -> StorageSettings:
@@ -117,7 +116,7 @@ class FileStore:
                 raw = self.conn.hget(keys.file_hash(file_id), "record")
         if raw is None:
             raise NotFound("file", file_id, "file_id")
-        rec = json.loads(_text(raw))
+        rec = json.loads(as_str(raw))
         if not tenant.owns(rec.get(TENANT_FIELD)):
             raise NotFound("file", file_id, "file_id")
         return rec
@@ -134,7 +133,7 @@ class FileStore:
             raw = self.conn.hget(keys.file_hash(file_id), "record")
             if raw is None:
                 return None  # deleted meanwhile
-            rec = json.loads(_text(raw))
+            rec = json.loads(as_str(raw))
             return public_file(rec) if purpose is None or rec["purpose"] == purpose else None
 
         return _index_page(self.conn, index, after, limit, load)
@@ -195,7 +194,7 @@ def _index_page(conn: redis.Redis, index: str, after: str | None, limit: int,
             break
         start += len(ids)
         for obj_id in ids:
-            obj = load(_text(obj_id))
+            obj = load(as_str(obj_id))
             if obj is not None:
                 data.append(obj)
                 if len(data) > limit:
@@ -255,17 +254,17 @@ def batch_object(conn: redis.Redis, bulk_id: str, files: FileStore | None = None
     fields (input/output URIs, lines read, manifest). Raises ``KeyError`` for an unknown bulk."""
     st = get_bulk(conn, bulk_id)
     spec = load_spec(conn, bulk_id)
-    cancel_at, seen_endpoint = (_text(v) for v in conn.hmget(keys.bulk_hash(bulk_id), "cancel_requested", "endpoint"))
-    status = BulkStatus(st["status"])
-    finished = int(st["finished_at"]) if st.get("finished_at") else None
-    manifest = _manifest(spec) if status.is_final and st.get("manifest") else None
+    cancel_at, seen_endpoint = (as_str(v) for v in conn.hmget(keys.bulk_hash(bulk_id), BulkField.CANCEL_REQUESTED, BulkField.ENDPOINT))
+    status = BulkStatus(st[BulkField.STATUS])
+    finished = int(st[BulkField.FINISHED_AT]) if st.get(BulkField.FINISHED_AT) else None
+    manifest = _manifest(spec) if status.is_final and st.get(BulkField.MANIFEST) else None
     out_id, err_id = output_file_ids(bulk_id, manifest)
     if files is not None and manifest is not None:
         register_outputs(files, bulk_id, manifest)
     window = spec.completion_window_s
     errors = None
-    if st.get("error"):
-        errors = {"object": "list", "data": [{"code": "batch_failed", "message": st["error"], "line": None, "param": None}]}
+    if st.get(BulkField.ERROR):
+        errors = {"object": "list", "data": [{"code": "batch_failed", "message": st[BulkField.ERROR], "line": None, "param": None}]}
 
     def at(s: BulkStatus) -> int | None:
         return finished if status == s else None
@@ -297,7 +296,7 @@ def batch_object(conn: redis.Redis, bulk_id: str, files: FileStore | None = None
 
 def batch_owner(conn: redis.Redis, bulk_id: str) -> str | None:
     """The tenant that created a batch (``None``: a bulk made outside the gateway, or before tenants)."""
-    return _text(conn.hget(keys.bulk_hash(bulk_id), TENANT_FIELD))
+    return as_str(conn.hget(keys.bulk_hash(bulk_id), BulkField.TENANT))
 
 
 def _check_owner(conn: redis.Redis, batch_id: str, tenant: Tenant) -> None:
@@ -328,7 +327,7 @@ def create_batch(
                 completion_window_s=COMPLETION_WINDOWS[completion_window], s3_endpoint_url=files.settings.s3_endpoint_url,
                 endpoint=endpoint, input_file_id=input_file_id, metadata=metadata)
     pipe = conn.pipeline()
-    pipe.hset(keys.bulk_hash(bulk_id), TENANT_FIELD, tenant.name)
+    pipe.hset(keys.bulk_hash(bulk_id), BulkField.TENANT, tenant.name)
     pipe.zadd(keys.tenant_bulks_index(tenant.name), {bulk_id: time.time()})
     pipe.execute()
     enqueue_run(conn, bulk_id, queue_name=queue_name)

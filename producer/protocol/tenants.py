@@ -23,7 +23,7 @@ from pathlib import Path
 #: the one tenant of an open gateway, and the owner of objects made before tenants existed
 ANONYMOUS = "anonymous"
 
-#: the field naming the owner: in a file record (JSON) and in a bulk's status hash
+#: the field naming the owner in a file record (JSON); the bulk hash's is ``BulkField.TENANT``
 TENANT_FIELD = "tenant"
 
 #: tenant names become part of Redis key names: no braces (hash tags), no whitespace
