@@ -37,6 +37,7 @@ class BulkField:
     OFFSET = "offset"
     INPUT_DONE = "input_done"
     ENDPOINT = "endpoint"
+    TENANT = "tenant"  # who created it through the gateway (producer.protocol.tenants); absent: made outside it
     # counts
     SUBMITTED = "submitted"
     INVALID = "invalid"
