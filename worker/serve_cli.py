@@ -98,7 +98,7 @@ def _stop_child(proc: subprocess.Popen | None, timeout_s: float) -> None:
 def serve(
     model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
                                               help="HF model directory, a hub id in the local HF cache, or 'fake'"),
-    model: Optional[str] = typer.Option(None, "--model", help="MODEL as an option (an alias of the argument)"),
+    model: Optional[str] = typer.Option(None, "--model", show_default="MODEL", help="MODEL as an option (an alias of the argument)"),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", show_default="MODEL as given", help="the name clients use"),
     redis_url: Optional[str] = RedisUrl,
     host: str = Host,
