@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# its own embedded Redis (never whatever answers on localhost:6379) unless REDIS_URL names one
 demo: install
 	$(PY) -m pagestream.worker.demo
 

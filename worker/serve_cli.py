@@ -1,25 +1,37 @@
-"""``pagestream serve``: gateway + one worker + an embedded Redis when none is configured, in one command
+"""``pagestream serve MODEL``: everything one machine needs in one command: the gateway, a worker for
+MODEL, a bulk-worker (the Batch API's orchestrator) and an embedded Redis when none is configured
 (``pagestream gateway``, the HTTP server alone, lives with the gateway: ``producer/gateway/cli.py``).
 
 It does not import the engine: it runs the worker as a child process
 (``pagestream worker --served-model-name M``) so the gateway's event loop and the
-engine's step never share a GIL.
+engine's step never share a GIL, and the bulk-worker as another (``pagestream bulk-worker``:
+RQ's worker wants the main thread for its signal handlers).
+
+Readiness is read from Redis, where the worker says it itself: its heartbeat hash
+(``keys.worker_hash(consumer)``, refreshed every second by its control thread once its loop runs)
+and its model announcement (``keys.model_registry()``): not from its log.
 """
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 import typer
 
 from pagestream.producer.gateway.cli import ApiKeys, Host, MaxQueueDepth, Port, RedisUrl, gateway_settings
+from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.redaction import install_log_redaction, redact_url
 from pagestream.worker.engine_options import engine_flags, with_engine_options
+
+#: how long a worker may take to load its model before ``serve`` gives up
+READY_TIMEOUT_S = 900.0
 
 
 def resolve_model(model: str) -> str:
@@ -32,55 +44,143 @@ def resolve_model(model: str) -> str:
         return snapshot_download(model, local_files_only=True)
     except Exception as exc:  # not a directory, not in the cache, or no huggingface_hub
         raise typer.BadParameter(f"{model!r} is neither a model directory nor a hub id in the local Hugging Face cache ({exc})",
-                                 param_hint="--model") from None
+                                 param_hint="MODEL") from None
+
+
+def worker_ready(client, consumer: str, model: str | None, now_s: float | None = None) -> bool:
+    """Whether worker ``consumer`` runs its loop (its heartbeat hash exists) and, when it serves
+    ``model``, has announced it (an unexpired entry in the model registry)."""
+    if not client.exists(keys.worker_hash(consumer)):
+        return False
+    if model is None:
+        return True
+    until_ms = client.zscore(keys.model_registry(), model)
+    now_ms = (now_s if now_s is not None else time.time()) * 1000
+    return until_ms is not None and until_ms > now_ms
+
+
+def wait_ready(client, consumer: str, model: str | None, proc: subprocess.Popen, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Block until ``worker_ready``; ``RuntimeError`` if ``proc`` exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not worker_ready(client, consumer, model):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the worker exited (status {proc.returncode}) before it was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the worker was not ready after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _forward(stream: IO[str], tag: str) -> threading.Thread:
+    """Copy a child's output to ours, each line tagged with what it came from."""
+
+    def pump() -> None:
+        for line in stream:
+            sys.stdout.write(f"[{tag}] {line}")
+            sys.stdout.flush()
+
+    t = threading.Thread(target=pump, name=f"forward-{tag}", daemon=True)
+    t.start()
+    return t
+
+
+def _stop_child(proc: subprocess.Popen | None, timeout_s: float) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @with_engine_options(with_env=False)
 def serve(
-    model: str = typer.Option(..., "--model", help="HF model directory, a hub id in the local HF cache, or 'fake'"),
-    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", show_default="--model as given", help="the name clients use"),
+    model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
+                                              help="HF model directory, a hub id in the local HF cache, or 'fake'"),
+    model: Optional[str] = typer.Option(None, "--model", show_default="MODEL", help="MODEL as an option (an alias of the argument)"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", show_default="MODEL as given", help="the name clients use"),
     redis_url: Optional[str] = RedisUrl,
     host: str = Host,
     port: int = Port,
     api_keys: Optional[str] = ApiKeys,
     max_queue_depth: Optional[int] = MaxQueueDepth,
+    files_uri: Optional[str] = typer.Option(None, "--files-uri", envvar="PAGESTREAM_GATEWAY_FILES_URI", show_envvar=True,
+                                            show_default="~/.cache/pagestream/files",
+                                            help="where /v1/files keeps uploads and batch outputs (a directory or s3://bucket/prefix)"),
+    bulk_worker: bool = typer.Option(True, "--bulk-worker/--no-bulk-worker",
+                                     help="run a bulk-worker too (the Batch API needs one somewhere)"),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="PAGESTREAM_METRICS_PORT", show_envvar=True,
+                                               show_default="none", help="the worker serves Prometheus metrics (only /metrics) on this port"),
+    drain_timeout: Optional[float] = typer.Option(None, "--drain-timeout", show_default="30",
+                                                  help="seconds the worker's warm stop may take"),
     log_level: str = typer.Option("WARNING", "--log-level", help="DEBUG | INFO | WARNING | ERROR"),
     engine_options: dict | None = None,
 ) -> None:
-    """One-command server: gateway + a worker for MODEL (+ an embedded Redis when none is configured)."""
+    """One-command server: gateway + a worker for MODEL + a bulk-worker (+ an embedded Redis when none is configured)."""
     from pagestream.producer.gateway.app import run
+    from pagestream.producer.protocol.redis_conn import connect
     from pagestream.worker.demo import _stop, ensure_redis
 
+    if model_arg and model and model_arg != model:
+        raise typer.BadParameter(f"MODEL {model_arg!r} and --model {model!r} differ: give one", param_hint="MODEL")
+    model = model_arg or model
+    if not model:
+        raise typer.BadParameter("give the model to serve: pagestream serve MODEL", param_hint="MODEL")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
-    embedded = None
-    if redis_url is None:
-        redis_url, embedded = ensure_redis()
     name = served_model_name or model
     path = resolve_model(model)
+    embedded = None
+    if redis_url is None:
+        redis_url, embedded = ensure_redis(announce=False)
+    settings = gateway_settings(redis_url, host, port, api_keys, max_queue_depth)
+    if files_uri:
+        settings.files_uri = files_uri
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    consumer = f"serve-{os.uname().nodename}-{os.getpid()}"
     cmd = [sys.executable, "-m", "pagestream.worker.cli", "worker", "--redis-url", redis_url, "--model", path,
-           "--served-model-name", name, "--log-level", log_level]
+           "--served-model-name", name, "--consumer", consumer, "--log-level", log_level]
+    if metrics_port:
+        cmd += ["--metrics-port", str(metrics_port)]
+    if drain_timeout is not None:
+        cmd += ["--drain-timeout", str(drain_timeout)]
     cmd += engine_flags(engine_options or {})  # the worker's engine knobs, as given here
-    worker = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    worker = bulk = None
     try:
-        for line in worker.stdout:  # wait for the engine to load
-            if "ready" in line:
-                break
-            sys.stdout.write(f"[worker] {line}")
-        if worker.poll() is not None:
+        if bulk_worker:
+            bulk = subprocess.Popen([sys.executable, "-m", "pagestream.worker.cli", "bulk-worker", "--redis-url", redis_url,
+                                     "--name", f"{consumer}-bulk"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            _forward(bulk.stdout, "bulk-worker")
+        worker = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        _forward(worker.stdout, "worker")
+        client = connect(redis_url)
+        try:
+            wait_ready(client, consumer, name, worker)
+        except RuntimeError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        finally:
+            client.close()
+        if bulk is not None and bulk.poll() is not None:
+            typer.echo(f"error: the bulk-worker exited (status {bulk.returncode})", err=True)
             raise typer.Exit(1)
-        threading.Thread(target=lambda: [sys.stdout.write(f"[worker] {ln}") for ln in worker.stdout], daemon=True).start()
-        settings = gateway_settings(redis_url, host, port, api_keys, max_queue_depth)
-        print(f"serving {name!r} on http://{settings.host}:{settings.port}/v1 (redis {redact_url(redis_url)})", flush=True)
+        device = (engine_options or {}).get("device") or "auto"
+        print("\n".join([
+            f"pagestream serve: {name!r} ready",
+            f"  gateway      http://{settings.host}:{settings.port}/v1 (OpenAI API: models, completions, chat, files, batches)",
+            f"  redis        {redact_url(redis_url)}{' (embedded, stopped with serve)' if embedded is not None else ''}",
+            f"  worker       pid {worker.pid}, consumer {consumer}, model {path} on {device}"
+            + (f", metrics on :{metrics_port}/metrics" if metrics_port else ""),
+            f"  bulk-worker  " + (f"pid {bulk.pid} (runs /v1/batches)" if bulk is not None else "not started (--no-bulk-worker): batches wait for one"),
+            f"  files        {settings.files_uri}",
+        ]), flush=True)
         # uvicorn re-raises the SIGTERM it caught once it has shut down; as an exception (not the
-        # default handler's instant exit) it lets the finally below stop the worker and the Redis.
+        # default handler's instant exit) it lets the finally below stop the children and the Redis.
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
         run(settings)
     finally:
-        if worker.poll() is None:
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(60)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+        _stop_child(worker, (drain_timeout or 30.0) + 30.0)
+        _stop_child(bulk, 30.0)
         _stop(embedded)

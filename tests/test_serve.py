@@ -1,0 +1,128 @@
+"""Issue 28: ``pagestream serve MODEL`` is everything one machine needs.
+
+Acceptance 1: from nothing but the model directory, ``serve`` answers the openai client's chat
+completion and runs a Batch API batch to ``completed`` with its output file, no other command
+started (its own embedded Redis, worker and bulk-worker); stopping it prints no nanobind leak lines
+(acceptance 5). Acceptance 2: ``serve --help`` lists every flag ``worker --help`` lists that is about
+the engine or the worker's metrics. Readiness comes from Redis (the worker's heartbeat and
+announcement), checked against a real Redis.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+from typer.testing import CliRunner
+
+from pagestream.engine.config import engine_knobs
+from pagestream.producer.protocol import keys
+from pagestream.worker import cli
+from pagestream.worker.serve_cli import worker_ready
+from private_redis import free_port
+from queue_helpers import ROOT, wait_for
+from test_gateway import DB_URL
+
+#: worker flags that are about one worker's place in a fleet, not something ``serve`` lets a user choose
+WORKER_ONLY = {"--consumer", "--lanes", "--lease-ms", "--max-deliveries", "--prefetch", "--publish-interval-ms", "--burst",
+               "--metrics-host", "--engine-process", "--no-engine-process", "--redis-url", "--served-model-name", "--model",
+               "--log-level", "--help", "--drain-timeout"}
+
+
+def _flags(command: str) -> set[str]:
+    out = CliRunner().invoke(cli.app, [command, "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"}).output
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", out))
+
+
+def test_serve_help_lists_every_engine_flag_the_worker_help_lists():
+    worker, serve = _flags("worker"), _flags("serve")
+    knob_flags = {k.flag for k in engine_knobs()}
+    assert knob_flags <= worker
+    assert worker - WORKER_ONLY <= serve, (worker - WORKER_ONLY) - serve
+    assert {"--metrics-port", "--no-bulk-worker", "--dtype", "--gpu-memory-utilization", "--block-size",
+            "--max-num-batched-tokens", "--enforce-eager", "--model"} <= serve
+    help_text = CliRunner().invoke(cli.app, ["serve", "--help"], env={"COLUMNS": "200"}).output
+    assert "MODEL" in help_text.split("\n", 3)[1] or "serve [OPTIONS] MODEL" in help_text or "[MODEL]" in help_text
+
+
+def test_serve_without_a_model_says_so():
+    res = CliRunner().invoke(cli.app, ["serve"])
+    assert res.exit_code == 2 and "pagestream serve MODEL" in res.output
+
+
+def test_readiness_is_the_workers_heartbeat_and_announcement_in_redis():
+    r = redis.Redis.from_url(DB_URL)
+    r.flushdb()
+    try:
+        assert not worker_ready(r, "w1", "m")
+        r.hset(keys.worker_hash("w1"), mapping={"num_running": 0})
+        assert not worker_ready(r, "w1", "m")  # alive but not announcing its model yet
+        assert worker_ready(r, "w1", None)
+        r.zadd(keys.model_registry(), {"m": int((time.time() - 5) * 1000)})
+        assert not worker_ready(r, "w1", "m")  # an expired announcement (a dead worker's) is not readiness
+        r.zadd(keys.model_registry(), {"m": int((time.time() + 10) * 1000)})
+        assert worker_ready(r, "w1", "m")
+        assert not worker_ready(r, "w2", "m")  # another worker's announcement says nothing about ours
+    finally:
+        r.flushdb()
+
+
+@pytest.mark.slow
+def test_serve_model_alone_answers_chat_and_runs_a_batch_to_completed(smollm2_dir, tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "PAGESTREAM_REDIS_URL")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PAGESTREAM_GATEWAY_FILES_URI=str(tmp_path / "files"))
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pagestream.worker.cli", "serve", str(smollm2_dir), "--device", "cpu",
+                                 "--port", str(port), "--max-num-seqs", "4"],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            def up() -> bool:
+                if proc.poll() is not None:
+                    raise AssertionError(f"serve exited:\n{log_path.read_text()}")
+                return "ready" in log_path.read_text() and "files" in log_path.read_text()
+
+            wait_for(up, 600, "pagestream serve", interval=0.5)
+            start = log_path.read_text()
+            assert f"http://127.0.0.1:{port}/v1" in start and "(embedded" in start and "bulk-worker  pid" in start
+            assert str(tmp_path / "files") in start
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+            c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+            name = str(smollm2_dir)
+            assert [m.id for m in c.models.list()] == [name]
+            chat = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, seed=1)
+            assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
+
+            lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"model": name, "messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 6}}
+                     for i in range(3)]
+            (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+            with open(tmp_path / "in.jsonl", "rb") as f:
+                up_file = c.files.create(file=f, purpose="batch")
+            batch = c.batches.create(input_file_id=up_file.id, endpoint="/v1/chat/completions", completion_window="24h")
+            deadline = time.monotonic() + 300
+            while batch.status not in ("completed", "failed", "expired", "cancelled"):
+                assert time.monotonic() < deadline, f"batch stuck in {batch.status}:\n{log_path.read_text()[-3000:]}"
+                time.sleep(1)
+                batch = c.batches.retrieve(batch.id)
+            assert batch.status == "completed", batch
+            assert batch.request_counts.completed == 3 and batch.output_file_id
+            out = [json.loads(x) for x in c.files.content(batch.output_file_id).read().decode().splitlines()]
+            assert sorted(o["custom_id"] for o in out) == ["q0", "q1", "q2"]
+            assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["choices"][0]["message"]["content"] for o in out)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(120)
+    text = log_path.read_text()
+    assert rc == 0, text[-3000:]
+    assert "nanobind" not in text and "leaked" not in text, text[-3000:]
+    assert "stopped after" in text  # the worker warm-stopped and said so
