@@ -1,0 +1,160 @@
+"""Issue 24, the gateway's part of vLLM's surface, with the official openai client against a real Redis, a
+gateway process and a worker running the fake engine: batch prompts, vLLM's logprob and token-id extensions,
+any chat role, chat echo, and the 400s vLLM answers before any worker step."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import redis
+
+from gateway_helpers import DB_URL, GatewayProc
+from pagestream.producer import Producer
+from pagestream.worker.fake_engine import FakeEngine
+from queue_helpers import WorkerProc, wait_for
+from test_gateway import _lane_lengths
+
+MODEL = "fake-vllm"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    r = redis.Redis.from_url(DB_URL)
+    r.flushdb()
+    log_dir = tmp_path_factory.mktemp("gateway-vllm")
+    worker = WorkerProc(DB_URL, "fake:2", "gw-vllm-worker", "--served-model-name", MODEL, "--max-num-seqs", "16",
+                        "--max-model-len", "2048", log_dir=log_dir)
+    gw = GatewayProc(DB_URL, log_dir=log_dir)
+    try:
+        worker.wait_ready()
+        gw.wait_ready()
+        wait_for(lambda: MODEL in Producer(r).live_models(), 30, "the worker's announcement")
+        yield {"gw": gw, "r": r, "client": openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=120)}
+    finally:
+        gw.stop()
+        worker.stop()
+        r.flushdb()
+        r.close()
+
+
+def test_a_list_of_prompts_is_one_job_each_answered_in_openais_choice_order(stack):
+    c = stack["client"]
+    fake = FakeEngine()
+    prompts = ["the first prompt", "a second one", "and the third"]
+    done = c.completions.create(model=MODEL, prompt=prompts, max_tokens=4, seed=3, n=2)
+    assert [ch.index for ch in done.choices] == list(range(6))
+    for ch in done.choices:
+        p, s = divmod(ch.index, 2)
+        assert ch.text == fake.expected_text(prompts[p], 3, 4, sample=s)
+    assert done.usage.completion_tokens == 24 and done.usage.prompt_tokens == sum(len(p.split()) for p in prompts)
+
+    ids = [[5, 6, 7], [8, 9]]
+    by_ids = c.completions.create(model=MODEL, prompt=ids, max_tokens=3, seed=1)
+    assert [ch.index for ch in by_ids.choices] == [0, 1] and by_ids.usage.prompt_tokens == 5
+
+    # streamed: every choice's text equals the non-streamed one, and the usage chunk sums the prompts
+    chunks = list(c.completions.create(model=MODEL, prompt=prompts, max_tokens=4, seed=3, n=2, stream=True,
+                                       stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {ch.index: ch.text for ch in done.choices}
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == done.usage.total_tokens
+
+
+def test_one_bad_prompt_fails_the_whole_request_before_any_job(stack):
+    c, r = stack["client"], stack["r"]
+    before = _lane_lengths(r)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model=MODEL, prompt=[[1, 2], [3, 60_000]], max_tokens=2)  # 60000 >= the vocabulary
+    assert "out of vocabulary" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt=["fine", ""], max_tokens=2)
+    assert _lane_lengths(r) == before
+
+
+def test_logprobs_zero_gives_the_sampled_token_and_token_ids_extensions(stack):
+    c = stack["client"]
+    fake = FakeEngine()
+    want = fake.expected_logprobs("odds please", 9, 4, k=0)
+    zero = c.completions.create(model=MODEL, prompt="odds please", max_tokens=4, seed=9, logprobs=0)
+    lp = zero.choices[0].logprobs
+    assert lp.top_logprobs == [{f"<{t}>": v for t, v in d.items()} for d in want]  # the sampled token's own entry
+    assert all(len(d) == 1 for d in lp.top_logprobs)
+
+    as_ids = c.completions.create(model=MODEL, prompt="odds please", max_tokens=4, seed=9, logprobs=1,
+                                  extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    tokens = as_ids.choices[0].logprobs.tokens
+    raw = as_ids.model_dump()["choices"][0]
+    assert tokens == [f"token_id:{t}" for t in raw["token_ids"]]
+    assert raw["prompt_token_ids"] == fake.tokenizer.encode("odds please")
+
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, seed=2,
+                                     logprobs=True, top_logprobs=1, extra_body={"return_tokens_as_token_ids": True,
+                                                                                "return_token_ids": True})
+    body = chat.model_dump()
+    assert [t.token for t in chat.choices[0].logprobs.content] == [f"token_id:{t}" for t in body["choices"][0]["token_ids"]]
+    assert body["prompt_token_ids"] == fake.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
+
+
+def test_any_chat_role_reaches_the_template_and_echo_leads_with_the_last_message(stack):
+    c = stack["client"]
+    fake = FakeEngine()
+    msgs = [{"role": "narrator", "content": "once upon"}, {"role": "user", "content": "go on"}]
+    out = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, seed=4)
+    assert out.choices[0].message.content == fake.expected_text(fake.tokenizer.apply_chat_template(msgs), 4, 3)
+
+    msgs = [{"role": "user", "content": "finish this"}, {"role": "assistant", "content": "The answer is"}]
+    echoed = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, seed=4, extra_body={"echo": True})
+    plain = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, seed=4)
+    assert echoed.choices[0].message.content == "The answer is" + plain.choices[0].message.content
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                       c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, seed=4, stream=True,
+                                                 extra_body={"echo": True}) if ch.choices)
+    assert streamed == echoed.choices[0].message.content
+
+    text = c.completions.create(model=MODEL, prompt="echo me", max_tokens=2, seed=5, echo=True)
+    assert text.choices[0].text == "echo me" + fake.expected_text("echo me", 5, 2)
+
+
+def test_truncate_prompt_tokens_keeps_the_side_asked_for(stack):
+    c = stack["client"]
+    left = c.completions.create(model=MODEL, prompt=[1, 2, 3, 4, 5], max_tokens=2, seed=1,
+                                extra_body={"truncate_prompt_tokens": 2, "return_token_ids": True})
+    right = c.completions.create(model=MODEL, prompt=[1, 2, 3, 4, 5], max_tokens=2, seed=1,
+                                 extra_body={"truncate_prompt_tokens": 2, "truncation_side": "right", "return_token_ids": True})
+    assert left.model_dump()["choices"][0]["prompt_token_ids"] == [4, 5] and left.usage.prompt_tokens == 2
+    assert right.model_dump()["choices"][0]["prompt_token_ids"] == [1, 2]
+
+
+def test_continuous_usage_stats_count_tokens_on_every_chunk(stack):
+    c = stack["client"]
+    chunks = list(c.completions.create(model=MODEL, prompt="count along", max_tokens=5, seed=2, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in chunks if ch.choices and ch.usage is not None]
+    assert counts and counts == sorted(counts) and counts[-1] == 5
+    assert chunks[-1].usage.prompt_tokens == 2
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[1, "a"]]}, "prompt"),
+    ({"prompt": [1.5]}, "prompt"),
+    ({"prompt": [-1]}, "prompt_token_ids"),
+    ({"prompt": [50_001]}, "prompt"),
+    ({"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [99_999]}, "stop_token_ids"),
+    ({"prompt": "x", "logit_bias": {"70000": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "seed": 2**63}, "seed"),
+])
+def test_bad_inputs_answer_400_with_the_reason_before_any_worker_step(stack, body, param):
+    r = stack["r"]
+    before = _lane_lengths(r)
+    resp = httpx.post(stack["gw"].base_url + "/completions", json={"model": MODEL, "max_tokens": 2, **body}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["message"] and (err["param"] or "").startswith(param.split("_")[0]), err
+    assert _lane_lengths(r) == before
