@@ -8,8 +8,12 @@ import openai
 import pytest
 import redis
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from gateway_helpers import DB_URL, GatewayProc
-from pagestream.producer import Producer
+from pagestream.producer import JobResult, Producer
+from pagestream.producer.protocol import keys
+from private_redis import free_port
 from pagestream.worker.fake_engine import FakeEngine
 from queue_helpers import WorkerProc, wait_for
 from test_gateway import _lane_lengths
@@ -22,14 +26,15 @@ def stack(tmp_path_factory):
     r = redis.Redis.from_url(DB_URL)
     r.flushdb()
     log_dir = tmp_path_factory.mktemp("gateway-vllm")
+    metrics_port = free_port()
     worker = WorkerProc(DB_URL, "fake:2", "gw-vllm-worker", "--served-model-name", MODEL, "--max-num-seqs", "16",
-                        "--max-model-len", "2048", log_dir=log_dir)
+                        "--max-model-len", "2048", "--metrics-port", str(metrics_port), log_dir=log_dir)
     gw = GatewayProc(DB_URL, log_dir=log_dir)
     try:
         worker.wait_ready()
         gw.wait_ready()
         wait_for(lambda: MODEL in Producer(r).live_models(), 30, "the worker's announcement")
-        yield {"gw": gw, "r": r, "client": openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=120)}
+        yield {"gw": gw, "r": r, "metrics_port": metrics_port, "client": openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=120)}
     finally:
         gw.stop()
         worker.stop()
@@ -158,3 +163,73 @@ def test_bad_inputs_answer_400_with_the_reason_before_any_worker_step(stack, bod
     err = resp.json()["error"]
     assert err["message"] and (err["param"] or "").startswith(param.split("_")[0]), err
     assert _lane_lengths(r) == before
+
+
+def test_a_prompt_the_worker_refuses_fails_the_request_and_cancels_the_others(stack):
+    c, r = stack["client"], stack["r"]
+    before = set(r.scan_iter(match="ps:job:*"))
+    too_long = " ".join(f"w{i}" for i in range(1900))  # with max_tokens 1000 past the 2048 context: the worker refuses it
+    with pytest.raises(openai.InternalServerError) as info:
+        c.completions.create(model=MODEL, prompt=["a short one", too_long, "another short one"], max_tokens=1000)
+    assert "max_model_len" in info.value.body["message"]
+    new = [k for k in r.scan_iter(match="ps:job:*") if k not in before and r.type(k) == b"hash"]
+
+    def statuses() -> list[str]:
+        out = []
+        for k in new:
+            raw = r.hget(k, "result")
+            out.append(JobResult.model_validate_json(raw).status.value if raw else "pending")
+        return sorted(out)
+
+    # each short prompt would take 1000 steps of 2 ms: it is cancelled, not left running
+    wait_for(lambda: statuses() == ["cancelled", "cancelled", "failed"], 30, f"the other prompts cancelled ({statuses()})")
+
+
+def _families(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+#: every vllm:* name vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana/grafana.json) queries
+GRAFANA_GATEWAY = ("vllm:e2e_request_latency_seconds", "vllm:prompt_tokens", "vllm:generation_tokens",
+                   "vllm:time_per_output_token_seconds", "vllm:time_to_first_token_seconds", "vllm:request_prompt_tokens",
+                   "vllm:request_generation_tokens", "vllm:request_success", "vllm:request_queue_time_seconds",
+                   "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                   "vllm:request_max_num_generation_tokens")
+GRAFANA_WORKER = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:gpu_cache_usage_perc")
+
+
+def _sample(fams: dict, family: str, sample: str, **labels: str) -> float:
+    return sum(s.value for s in fams[family].samples
+               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_vllm_metric_names_with_model_name_move_with_traffic(stack):
+    c = stack["client"]
+    gw_url = f"http://127.0.0.1:{stack['gw'].port}/metrics"
+    before = _families(httpx.get(gw_url, timeout=10).text)
+    c.completions.create(model=MODEL, prompt="metric me please", max_tokens=4, seed=1)
+    list(c.completions.create(model=MODEL, prompt="and stream me", max_tokens=6, seed=1, stream=True))
+    after = _families(httpx.get(gw_url, timeout=10).text)
+    for name in GRAFANA_GATEWAY:
+        assert name in after, name
+        assert all(s.labels.get("model_name") == MODEL for s in after[name].samples if s.labels), name
+    m = dict(model_name=MODEL)
+    def moved(fam, sample, **kw):
+        return _sample(after, fam, sample, **m, **kw) - (_sample(before, fam, sample, **m, **kw) if fam in before else 0)
+    assert moved("vllm:prompt_tokens", "vllm:prompt_tokens_total") == 6
+    assert moved("vllm:generation_tokens", "vllm:generation_tokens_total") == 10
+    assert moved("vllm:request_success", "vllm:request_success_total", finished_reason="length") == 2
+    assert moved("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count") == 2
+    assert moved("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count") == 1  # the stream's
+    assert moved("vllm:time_per_output_token_seconds", "vllm:time_per_output_token_seconds_count") == 1
+    assert moved("vllm:request_queue_time_seconds", "vllm:request_queue_time_seconds_count") == 2
+    assert moved("vllm:request_generation_tokens", "vllm:request_generation_tokens_sum") == 10
+    # vLLM's buckets: 1-2-5 token buckets, its TTFT buckets
+    les = [s.labels["le"] for s in after["vllm:request_prompt_tokens"].samples if s.name.endswith("_bucket")]
+    assert les[:4] == ["1.0", "2.0", "5.0", "10.0"]
+
+    worker = _families(httpx.get(f"http://127.0.0.1:{stack['metrics_port']}/metrics", timeout=10).text)
+    for name in GRAFANA_WORKER + ("vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+                                  "vllm:num_preemptions"):
+        assert name in worker, name
+    assert [s.labels["model_name"] for s in worker["vllm:num_requests_waiting"].samples] == [MODEL]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pagestream.producer.gateway.vllm_metrics import VllmMetrics
+
 
 class GatewayMetrics:
     def __init__(self) -> None:
@@ -12,3 +14,4 @@ class GatewayMetrics:
                                  ["endpoint"], registry=r, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.streams = Gauge("pagestream_gateway_open_streams", "Streaming responses in progress", registry=r)
         self.disconnect_cancels = Counter("pagestream_gateway_disconnect_cancels", "Jobs cancelled because their client went away", registry=r)
+        self.vllm = VllmMetrics(r)  # vLLM's request-level names beside ours (issue 24)

@@ -105,6 +105,7 @@ class OpenAIServing:
     # -- the request ----------------------------------------------------------------------------
 
     async def create(self, request: Request, data: dict[str, Any]) -> Response:
+        arrived = time.time()
         req = self.parse(data)
         # one job per prompt (completions take a list); every check runs before the first is submitted
         job_ids = [uuid.uuid4().hex for _ in range(req.num_jobs())]
@@ -122,8 +123,13 @@ class OpenAIServing:
         rid = f"{self.id_prefix}-{job_ids[0]}"
         created = int(time.time())
         if req.stream:
-            return EventStream(self.events(req, rid, created, job_ids), headers={"Cache-Control": "no-cache"})
+            return EventStream(self.events(req, rid, created, job_ids, arrived, jobs[0].sampling.max_tokens),
+                               headers={"Cache-Control": "no-cache"})
         results = await self.wait_all(request, job_ids)
+        done = time.time()
+        for result in results:
+            self.metrics.vllm.observe_result(req.model, result, n=req.n, max_tokens=jobs[0].sampling.max_tokens,
+                                             arrived=arrived, finished=done)
         return JSONResponse(self.body(req, rid, created, results))
 
     async def wait_all(self, request: Request, job_ids: list[str]) -> list[JobResult]:
@@ -173,7 +179,8 @@ class OpenAIServing:
         except Exception as exc:  # the stream reports it as the job's end
             await queue.put((p, exc))
 
-    async def events(self, req: OpenAIRequest, rid: str, created: int, job_ids: list[str]) -> AsyncIterator[bytes]:
+    async def events(self, req: OpenAIRequest, rid: str, created: int, job_ids: list[str], arrived: float,
+                     max_tokens: int | None) -> AsyncIterator[bytes]:
         """The jobs' token events as one stream of chunks (prompt p's sample s is choice p * n + s)."""
         self.metrics.streams.inc()
         t0 = time.monotonic()
@@ -186,6 +193,8 @@ class OpenAIServing:
                 yield sse(opening)
             text_offset: dict[int, int] = {}  # per choice: completions' text_offset of its next token
             generated: dict[int, int] = {}  # per choice: tokens so far (continuous_usage_stats)
+            first_token: dict[int, float] = {}  # per prompt: when its first token reached the gateway (vllm: metrics)
+            last_token: dict[int, float] = {}
             done: set[int] = set()
             while len(done) < len(job_ids):
                 p, ev = await queue.get()
@@ -200,6 +209,9 @@ class OpenAIServing:
                     done.add(p)
                     continue
                 index = p * n + ev.sample
+                if ev.token_ids:
+                    last_token[p] = time.time()
+                    first_token.setdefault(p, last_token[p])
                 lps = None
                 if ev.logprobs:
                     offset = text_offset.get(index, 0)
@@ -216,10 +228,15 @@ class OpenAIServing:
                                           "total_tokens": generated[index]}
                     yield sse(chunk)
             finished = True
+            done_at = time.time()
+            results = [await self.producer.result(j, timeout=60) for j in job_ids]  # usage, and vLLM's metrics
             if req.include_usage:
-                results = [await self.producer.result(j, timeout=60) for j in job_ids]
                 yield sse(usage_chunk(self.chunk_object, rid, req.model, created, results))
             yield sse("[DONE]")
+            for p, result in enumerate(results):
+                self.metrics.vllm.observe_result(req.model, result, n=n, max_tokens=max_tokens, arrived=arrived,
+                                                 finished=done_at, first_token=first_token.get(p),
+                                                 last_token=last_token.get(p))
         finally:
             for f in followers:
                 f.cancel()
