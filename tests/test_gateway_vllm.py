@@ -154,6 +154,11 @@ def test_continuous_usage_stats_count_tokens_on_every_chunk(stack):
     ({"prompt": "x", "logit_bias": {"70000": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"x": 1.0}}, "logit_bias"),
     ({"prompt": "x", "seed": 2**63}, "seed"),
+    # not in the engine yet: refused, never ignored
+    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
 ])
 def test_bad_inputs_answer_400_with_the_reason_before_any_worker_step(stack, body, param):
     r = stack["r"]

@@ -57,6 +57,15 @@ class OpenAIRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
+    # vLLM's extensions the engine does not have yet: refused with the reason, never silently ignored
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs are not computed by this engine yet", param="prompt_logprobs")
+        if self.allowed_token_ids is not None:
+            raise RequestError("allowed_token_ids is not applied by this engine yet", param="allowed_token_ids")
 
     def sampling(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in _SAMPLING if getattr(self, f) is not None}
@@ -91,6 +100,7 @@ class OpenAIRequest(BaseModel):
 
     def to_jobs(self, job_ids: list[str]) -> list[JobRequest]:
         """The jobs this request becomes (raises ``pydantic.ValidationError`` for out-of-range values)."""
+        self.refuse_unsupported()
         common = {"model": self.model, **self.sampling(), "return_prompt_token_ids": self.return_token_ids}
         return [JobRequest.model_validate({"job_id": job_id, **common, **fields})
                 for job_id, fields in zip(job_ids, self.job_fields(), strict=True)]
