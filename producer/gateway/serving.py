@@ -24,6 +24,7 @@ from pagestream.producer.gateway.protocol import OpenAIRequest, first_error_loc,
 from pagestream.producer.gateway.state import GatewayState
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.schema import JobResult, JobStatus, TokenEvent, TokenLogprob, format_validation_error
+from pagestream.producer.protocol.tenants import TENANT_FIELD
 
 
 def sse(obj: dict | str) -> bytes:
@@ -113,6 +114,10 @@ class OpenAIServing:
             jobs = req.to_jobs(job_ids)
         except ValidationError as exc:
             raise GatewayError(400, format_validation_error(exc), param=req.param_of(first_error_loc(exc))) from None
+        tenant = getattr(request.state, "tenant", None)  # set by the routers' auth dependency
+        if tenant is not None:
+            for job in jobs:
+                job.metadata[TENANT_FIELD] = tenant.name  # each job (its hash and stream) carries its owner
         await self.state.models.check(req.model, jobs[0].sampling.max_tokens)
         await self.state.models.check_tokens(req.model, jobs, req.logit_bias_ids())
         if req.logit_bias:
