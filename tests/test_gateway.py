@@ -139,8 +139,8 @@ def test_bad_requests_get_openai_errors_and_never_reach_a_worker(stack):
     before = _lane_lengths(r)
     jobs_before = len(list(r.scan_iter(match="ps:job:*")))
     cases = [
-        (openai.UnprocessableEntityError, lambda: c.chat.completions.create(model=MODEL, messages=None)),  # missing field
-        (openai.UnprocessableEntityError, lambda: c.completions.create(model=MODEL, prompt="x", max_tokens="lots")),
+        (openai.BadRequestError, lambda: c.chat.completions.create(model=MODEL, messages=None)),  # missing field (400, as vLLM)
+        (openai.BadRequestError, lambda: c.completions.create(model=MODEL, prompt="x", max_tokens="lots")),
         (openai.BadRequestError, lambda: c.completions.create(model=MODEL, prompt="x", max_tokens=4096)),  # over the context
         (openai.BadRequestError, lambda: c.completions.create(model=MODEL, prompt="x", temperature=-1)),
         # logprobs out of range (0-20), and top_logprobs without logprobs: true
@@ -150,7 +150,7 @@ def test_bad_requests_get_openai_errors_and_never_reach_a_worker(stack):
                                                                    logprobs=True, top_logprobs=21)),
         (openai.BadRequestError, lambda: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                                                    top_logprobs=2)),
-        (openai.UnprocessableEntityError, lambda: c.completions.create(model=MODEL, prompt="x", logprobs="many")),
+        (openai.BadRequestError, lambda: c.completions.create(model=MODEL, prompt="x", logprobs="many")),
         (openai.BadRequestError, lambda: c.completions.create(model=MODEL, prompt="x", logprobs=True)),  # chat's spelling
         (openai.NotFoundError, lambda: c.completions.create(model="no-such-model", prompt="x")),
         (openai.AuthenticationError, lambda: openai.OpenAI(base_url=stack["gw"].base_url, api_key="wrong", max_retries=0)

@@ -214,3 +214,29 @@ def test_a_disconnecting_client_frees_its_kv_blocks_within_a_step(served, metric
           f"cancel sent -> free: median {statistics.median(f[1] for f in figures):.0f} ms; "
           f"job steps after the cancel was sent: {[f[2] for f in figures]}; "
           f"decode step while the job ran: median {statistics.median([f[3] for f in figures if f[3] is not None] or [0]):.0f} ms")
+
+
+def test_vllm_surface_on_smollm2_prompt_lists_token_ids_and_vocabulary_checks(served, llm):
+    """Issue 24 on the real engine: a list of prompts answers each as the engine does alone, the prompt's token ids
+    come back from the worker's tokenizer, and an id past SmolLM2's vocabulary is a 400 before any job."""
+    from pagestream.engine import SamplingParams
+
+    prompts = ["The capital of France is", "One, two, three,"]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    want = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = served.completions.create(model="smollm2", prompt=prompts, temperature=0.0, max_tokens=6,
+                                    extra_body={"return_token_ids": True})
+    assert [c.text for c in got.choices] == want
+    ids = [c.model_dump()["prompt_token_ids"] for c in got.choices]
+    assert ids == [llm.get_tokenizer().encode(p) for p in prompts]
+    assert got.usage.prompt_tokens == sum(len(i) for i in ids)
+
+    vocab = llm.get_tokenizer().vocab_size if hasattr(llm.get_tokenizer(), "vocab_size") else 49152
+    with pytest.raises(openai.BadRequestError) as info:
+        served.completions.create(model="smollm2", prompt=[[1, 2, vocab + 10]], max_tokens=2)
+    assert "out of vocabulary" in info.value.body["message"]
+
+    any_role = served.chat.completions.create(model="smollm2", max_tokens=4, temperature=0.0,
+                                              messages=[{"role": "narrator", "content": "Once upon a time"},
+                                                        {"role": "user", "content": "Go on."}])
+    assert any_role.choices[0].message.content

@@ -24,6 +24,7 @@ class FakeConfig:
     model: str = "fake"
     max_num_seqs: int = 8
     max_model_len: int = 512
+    vocab_size: int = 50_001  # FakeTokenizer's ids are 1..50000
     block_size: int = 16
     num_blocks: int = 4096
     step_delay_s: float = 0.0

@@ -41,6 +41,7 @@ class ActiveJob:
     samples: dict[int, SampleOutput] = field(default_factory=dict)
     started_at: float = 0.0
     prompt_tokens: int = 0
+    prompt_token_ids: list[int] | None = None  # kept only for a job with return_prompt_token_ids
     has_job_hash: bool = False  # the submit left a job hash (bulk jobs from the orchestrator have one)
     # copied out of the job: read for every delta of every step
     job_id: str = field(init=False)

@@ -16,7 +16,7 @@ from prometheus_client.exposition import MetricsHandler
 
 
 class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "") -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.jobs = Counter("pagestream_jobs", "Jobs finished by this worker, by final status", ["status"], registry=r)
@@ -35,6 +35,22 @@ class WorkerMetrics:
         # blocks a cancel frees show at once, which is how a user checks that an abort let them go
         self.kv_free_blocks = Gauge("pagestream_kv_free_blocks", "KV blocks in the engine's free pool now", registry=r)
 
+        # vLLM's engine-side names (issue 24), labelled by the served model as vLLM labels them; the request-level
+        # ones (latencies, tokens, finish reasons) are the gateway's (producer/gateway/vllm_metrics.py)
+        self.model_name = model_name
+        m = ["model_name"]
+        self.vllm_running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", m, registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", m, registry=r)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m, registry=r)
+        # the name vLLM's published Grafana dashboard still queries
+        self.vllm_gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", m,
+                                          registry=r)
+        self.vllm_prefix_queries = Counter("vllm:prefix_cache_queries",
+                                           "Prefix cache queries, in terms of number of queried tokens.", m, registry=r)
+        self.vllm_prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                                        m, registry=r)
+        self.vllm_preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", m, registry=r)
+        self._engine_seen = {"q": 0, "h": 0, "p": 0}
         self._tokens_seen = 0
 
     def watch_engine(self, engine: Any) -> None:
@@ -56,11 +72,24 @@ class WorkerMetrics:
         self.running.set(st.num_running + st.num_waiting)
         self.held.set(held)
         self.kv_usage.set(st.kv_usage)
+        self._observe_vllm(st)
         return {
             "num_running": st.num_running, "num_waiting": st.num_waiting, "num_free_blocks": st.num_free_blocks,
             "num_total_blocks": st.num_total_blocks, "kv_usage": round(st.kv_usage, 4), "num_steps": num_steps,
             "num_completed": num_completed, "held": held, "updated_at": round(time.time(), 3),
         }
+
+    def _observe_vllm(self, st: Any) -> None:
+        name, seen = self.model_name, self._engine_seen
+        self.vllm_running.labels(name).set(st.num_running)
+        self.vllm_waiting.labels(name).set(st.num_waiting)
+        self.vllm_kv_usage.labels(name).set(st.kv_usage)
+        self.vllm_gpu_cache_usage.labels(name).set(st.kv_usage)
+        for key, counter, now in (("q", self.vllm_prefix_queries, st.prefix_cache_queries),
+                                  ("h", self.vllm_prefix_hits, st.prefix_cache_hits),
+                                  ("p", self.vllm_preemptions, st.num_preemptions)):
+            counter.labels(name).inc(max(0, now - seen[key]))
+            seen[key] = max(seen[key], now)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> ThreadingHTTPServer:
         """Prometheus text on ``http://addr:port/metrics`` only (404 elsewhere), from a daemon thread."""

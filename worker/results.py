@@ -42,6 +42,8 @@ def collect(outputs: list, active: dict[str, ActiveJob], token_texts: TokenTexts
             continue
         if not a.prompt_tokens and out.prompt_token_ids:
             a.prompt_tokens = len(out.prompt_token_ids)
+            if a.job.return_prompt_token_ids:
+                a.prompt_token_ids = list(out.prompt_token_ids)
         samples = a.samples
         for c in out.outputs:
             s = samples.get(c.index)
@@ -85,6 +87,7 @@ def job_result(a: ActiveJob, status: JobStatus, error: str | None, worker: str) 
         outputs=samples,
         prompt_tokens=a.prompt_tokens,
         completion_tokens=sum(len(s.token_ids) for s in samples),
+        prompt_token_ids=a.prompt_token_ids,
         worker=worker,
         deliveries=a.delivery.deliveries,
         resumed_from=len(a.resume or []),

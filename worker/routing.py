@@ -20,26 +20,30 @@ from pagestream.producer.protocol import keys
 log = logging.getLogger(__name__)
 
 
-def announce(client: redis.Redis, model: str, ttl_s: float, max_model_len: int | None = None) -> None:
-    """Say ``model`` is served for the next ``ttl_s`` seconds (never shortens another worker's claim)."""
+def announce(client: redis.Redis, model: str, ttl_s: float, max_model_len: int | None = None,
+             vocab_size: int | None = None) -> None:
+    """Say ``model`` is served for the next ``ttl_s`` seconds (never shortens another worker's claim), with its
+    context length and vocabulary size (the gateway checks token ids and lengths against them before submitting)."""
     pipe = client.pipeline(transaction=False)
     pipe.zadd(keys.model_registry(), {model: int((time.time() + ttl_s) * 1000)}, gt=True)
-    pipe.hset(keys.model_info(), model, json.dumps({"max_model_len": max_model_len}))
+    pipe.hset(keys.model_info(), model, json.dumps({"max_model_len": max_model_len, "vocab_size": vocab_size}))
     pipe.execute()
 
 
 class ModelAnnouncer(threading.Thread):
     """Re-announces every ``ttl_s / 3`` seconds until ``stop()``; rides out Redis errors."""
 
-    def __init__(self, client: redis.Redis, model: str, ttl_s: float = 10.0, max_model_len: int | None = None) -> None:
+    def __init__(self, client: redis.Redis, model: str, ttl_s: float = 10.0, max_model_len: int | None = None,
+                 vocab_size: int | None = None) -> None:
         super().__init__(name=f"announce-{model}", daemon=True)
         self.client, self.model, self.ttl_s, self.max_model_len = client, model, ttl_s, max_model_len
+        self.vocab_size = vocab_size
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.is_set():
             try:
-                announce(self.client, self.model, self.ttl_s, self.max_model_len)
+                announce(self.client, self.model, self.ttl_s, self.max_model_len, self.vocab_size)
             except redis.RedisError as exc:
                 log.warning("could not announce model %s: %s", self.model, exc)
             self._stop_event.wait(self.ttl_s / 3)
@@ -55,6 +59,10 @@ def start_announcer(client: redis.Redis, settings, engine) -> ModelAnnouncer | N
     max_len = getattr(engine, "max_model_len", None)
     if max_len is None:  # the fake engine keeps it in its config
         max_len = getattr(getattr(engine, "config", None), "max_model_len", None)
-    announcer = ModelAnnouncer(client, settings.served_model_name, max_model_len=max_len if isinstance(max_len, int) else None)
+    vocab = getattr(getattr(engine, "limits", None), "vocab_size", None)  # LLMEngine and the engine-process client
+    if vocab is None:
+        vocab = getattr(getattr(engine, "config", None), "vocab_size", None)
+    announcer = ModelAnnouncer(client, settings.served_model_name, max_model_len=max_len if isinstance(max_len, int) else None,
+                               vocab_size=vocab if isinstance(vocab, int) else None)
     announcer.start()
     return announcer

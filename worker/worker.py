@@ -46,7 +46,7 @@ class Worker:
         self.redis, self.engine, self.settings, self.name = client, engine, settings, settings.consumer
         if settings.max_num_seqs is None:  # read as many jobs as the engine runs at once
             settings.max_num_seqs = engine.config.max_num_seqs
-        self.metrics = metrics or WorkerMetrics()
+        self.metrics = metrics or WorkerMetrics(model_name=settings.served_model_name or settings.model or "")
         self.state = LoopState()
         self.consumer = Consumer(client, settings)
         self.publisher = Publisher(client, self.consumer, settings.publish_interval_ms / 1000, on_acked=self._on_acked)

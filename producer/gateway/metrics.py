@@ -12,6 +12,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pagestream.producer.gateway.vllm_metrics import VllmMetrics
+
 #: the endpoint label of a request that matched no route (an unknown path: 404)
 UNMATCHED = "unmatched"
 
@@ -32,6 +34,7 @@ class GatewayMetrics:
                                  ["endpoint"], registry=r, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.streams = Gauge("pagestream_gateway_open_streams", "Streaming responses in progress", registry=r)
         self.disconnect_cancels = Counter("pagestream_gateway_disconnect_cancels", "Jobs cancelled because their client went away", registry=r)
+        self.vllm = VllmMetrics(r)  # vLLM's request-level names beside ours (issue 24)
 
     def observe_request(self, scope: dict[str, Any], status: int, seconds: float | None) -> None:
         """One answered request; ``seconds`` only for one answered in one body (streams time themselves)."""

@@ -8,7 +8,7 @@ contract (``producer.protocol.openai``).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -17,11 +17,15 @@ from pagestream.producer.protocol.openai import ChatMessageIn, chat_logprobs_k, 
 from pagestream.producer.protocol.schema import JobRequest, JobResult
 
 _SAMPLING = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "top_k", "min_p",
-             "repetition_penalty", "min_tokens", "ignore_eos")
+             "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+             "include_stop_str_in_output")
+#: int64, the range vLLM's request models give ``seed``
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class OpenAIRequest(BaseModel):
@@ -36,7 +40,7 @@ class OpenAIRequest(BaseModel):
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -46,6 +50,22 @@ class OpenAIRequest(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # OpenAI's token -> bias map; its keys are checked against the served vocabulary (see ``token_ids_to_check``)
+    logit_bias: dict[str, float] | None = None
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    # vLLM's extensions the engine does not have yet: refused with the reason, never silently ignored
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs are not computed by this engine yet", param="prompt_logprobs")
+        if self.allowed_token_ids is not None:
+            raise RequestError("allowed_token_ids is not applied by this engine yet", param="allowed_token_ids")
 
     def sampling(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in _SAMPLING if getattr(self, f) is not None}
@@ -54,13 +74,36 @@ class OpenAIRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def job_fields(self) -> dict[str, Any]:
-        """The request's own fields as JobRequest keyword fields (prompt or messages, max_tokens, logprobs)."""
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: usage on every chunk (it needs ``include_usage`` too, as in vLLM)."""
+        return bool(self.stream_options and self.stream_options.include_usage and self.stream_options.continuous_usage_stats)
+
+    def num_jobs(self) -> int:
+        return 1
+
+    def job_fields(self) -> list[dict[str, Any]]:
+        """The request's own fields as JobRequest keyword fields, one dict per job (prompt or messages,
+        max_tokens, logprobs): completions make one job per prompt."""
         raise NotImplementedError
 
-    def to_job(self, job_id: str) -> JobRequest:
-        """The job this request becomes (raises ``pydantic.ValidationError`` for out-of-range values)."""
-        return JobRequest.model_validate({"job_id": job_id, "model": self.model, **self.sampling(), **self.job_fields()})
+    def logit_bias_ids(self) -> list[int]:
+        """``logit_bias``'s keys as token ids (400 for a key that is not one); the engine does not apply a bias
+        yet, so a non-empty map is refused after its keys pass the vocabulary check."""
+        ids = []
+        for key in self.logit_bias or {}:
+            try:
+                ids.append(int(key))
+            except ValueError:
+                raise RequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        return ids
+
+    def to_jobs(self, job_ids: list[str]) -> list[JobRequest]:
+        """The jobs this request becomes (raises ``pydantic.ValidationError`` for out-of-range values)."""
+        self.refuse_unsupported()
+        common = {"model": self.model, **self.sampling(), "return_prompt_token_ids": self.return_token_ids}
+        return [JobRequest.model_validate({"job_id": job_id, **common, **fields})
+                for job_id, fields in zip(job_ids, self.job_fields(), strict=True)]
 
     @staticmethod
     def param_of(loc: str | None) -> str | None:
@@ -69,7 +112,8 @@ class OpenAIRequest(BaseModel):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str] | list[int]
+    # OpenAI's four forms: one string, strings, one token-id list, token-id lists (one job per prompt)
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for /v1/completions
     # a count; ``true`` is kept as sent so the job schema refuses it with a 400 that says so, not read as 1
     logprobs: bool | int | None = None
@@ -77,27 +121,62 @@ class CompletionRequest(OpenAIRequest):
     suffix: str | None = None
     best_of: int | None = None
 
-    def job_fields(self) -> dict[str, Any]:
-        if self.echo:
-            raise RequestError("echo is not supported", param="echo")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request, in order (a string or a token-id list); 400 for an empty one."""
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list[str | list[int]] = [p]
+        elif not p:
+            raise RequestError("Prompt cannot be empty", param="prompt")
+        elif all(isinstance(x, int) for x in p):
+            prompts = [p]  # one prompt of token ids
+        else:
+            prompts = list(p)
+        for x in prompts:
+            if not x:
+                raise RequestError("Prompt cannot be empty", param="prompt")
+        return prompts
+
+    def num_jobs(self) -> int:
+        return len(self.prompts())
+
+    def truncated(self, ids: list[int]) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: keep the last k tokens (``truncation_side="right"``: the first k;
+        -1: as many as the context holds, here all of them, the context check follows)."""
+        k = self.truncate_prompt_tokens
+        if k is None or k < 0 or len(ids) <= k:
+            return ids
+        return ids[:k] if self.truncation_side == "right" else ids[len(ids) - k:]
+
+    def job_fields(self) -> list[dict[str, Any]]:
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo with logprobs needs prompt logprobs, which this engine does not compute yet",
+                               param="echo")
         if self.suffix:
             raise RequestError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of other than n is not supported", param="best_of")
-        fields: dict[str, Any] = {"max_tokens": self.max_tokens}
-        p = self.prompt
-        if isinstance(p, str):
-            fields["prompt"] = p
-        elif p and all(isinstance(x, int) for x in p):
-            fields["prompt_token_ids"] = p
-        elif len(p) == 1:
-            fields["prompt"] = p[0]
-        else:
-            raise RequestError("prompt must be one string or one list of token ids (send one request per prompt)",
-                               param="prompt")
-        if self.logprobs is not None:
-            fields["logprobs"] = self.logprobs
-        return fields
+        out = []
+        for p in self.prompts():
+            fields: dict[str, Any] = {"max_tokens": self.max_tokens}
+            if isinstance(p, str):
+                if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens >= 0:
+                    # the gateway has no tokenizer: truncating a text prompt needs the worker's (not carried yet)
+                    raise RequestError("truncate_prompt_tokens is supported for token-id prompts only",
+                                       param="truncate_prompt_tokens")
+                fields["prompt"] = p
+            else:
+                if self.echo:
+                    raise RequestError("echo of a token-id prompt is not supported (its text is the worker's to decode)",
+                                       param="echo")
+                fields["prompt_token_ids"] = self.truncated(p)
+            if self.logprobs is not None:
+                fields["logprobs"] = self.logprobs
+            out.append(fields)
+        return out
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -106,8 +185,25 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's chat extensions
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    def job_fields(self) -> dict[str, Any]:
+    def job_fields(self) -> list[dict[str, Any]]:
+        if self.continue_final_message and self.add_generation_prompt:
+            # vLLM's own check, word for word in meaning
+            raise RequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                               param="continue_final_message")
+        for name in ("chat_template", "chat_template_kwargs"):
+            if getattr(self, name):
+                raise RequestError(f"{name} is not supported yet: the worker applies the model's own template",
+                                   param=name)
+        if not self.add_generation_prompt or self.continue_final_message:
+            raise RequestError("only add_generation_prompt=true is supported yet (the worker's template call)",
+                               param="add_generation_prompt")
         fields: dict[str, Any] = {
             "messages": [m.flat() for m in self.messages],
             "max_tokens": self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
@@ -115,7 +211,14 @@ class ChatCompletionRequest(OpenAIRequest):
         k = chat_logprobs_k(self.logprobs, self.top_logprobs)
         if k is not None:
             fields["logprobs"] = k
-        return fields
+        return [fields]
+
+    def echo_text(self) -> str:
+        """vLLM's chat ``echo``: the last message's content leads the reply when it is the reply's role."""
+        if not self.echo:
+            return ""
+        last = self.messages[-1]
+        return last.flat()["content"] if last.role == "assistant" else ""
 
     @staticmethod
     def param_of(loc: str | None) -> str | None:
@@ -147,8 +250,14 @@ def chat_chunk(rid: str, model: str, created: int, index: int, text: str | None,
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(obj: str, rid: str, model: str, created: int, result: JobResult) -> dict:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(result)}
+def usage_chunk(obj: str, rid: str, model: str, created: int, results: list[JobResult]) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": total_usage(results)}
+
+
+def total_usage(results: list[JobResult]) -> dict[str, int]:
+    """One request's usage over its jobs (one per prompt)."""
+    parts = [usage(r) for r in results]
+    return {k: sum(p[k] for p in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
 def model_list(models: list[str]) -> dict:

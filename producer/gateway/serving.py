@@ -23,8 +23,8 @@ from pagestream.producer.gateway.errors import GatewayError
 from pagestream.producer.gateway.protocol import OpenAIRequest, first_error_loc, usage_chunk
 from pagestream.producer.gateway.state import GatewayState
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.schema import JobResult, JobStatus, TokenEvent, TokenLogprob, format_validation_error
 from pagestream.producer.protocol.tenants import TENANT_FIELD
-from pagestream.producer.protocol.schema import JobResult, JobStatus, TokenLogprob, format_validation_error
 
 
 def sse(obj: dict | str) -> bytes:
@@ -56,18 +56,18 @@ class OpenAIServing:
 
     # -- what a family supplies ------------------------------------------------------------------
 
-    def body(self, rid: str, model: str, created: int, result: JobResult) -> dict[str, Any]:
+    def body(self, req: OpenAIRequest, rid: str, created: int, results: list[JobResult]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk(self, rid: str, model: str, created: int, index: int, text: str | None, reason: str | None = None,
+    def chunk(self, req: OpenAIRequest, rid: str, created: int, index: int, text: str | None, reason: str | None = None,
               logprobs: dict | None = None) -> dict[str, Any]:
         raise NotImplementedError
 
-    def opening_chunks(self, rid: str, model: str, created: int, n: int) -> list[dict[str, Any]]:
-        """Chunks sent before any token (chat's role deltas)."""
+    def opening_chunks(self, req: OpenAIRequest, rid: str, created: int) -> list[dict[str, Any]]:
+        """Chunks sent before any token (chat's role deltas, echoed prompts)."""
         return []
 
-    def stream_logprobs(self, lps: list[TokenLogprob], text_offset: int) -> dict:
+    def stream_logprobs(self, req: OpenAIRequest, lps: list[TokenLogprob], text_offset: int) -> dict:
         raise NotImplementedError
 
     # -- checks ---------------------------------------------------------------------------------
@@ -75,8 +75,8 @@ class OpenAIServing:
     def parse(self, data: dict[str, Any]) -> OpenAIRequest:
         try:
             return self.request_model.model_validate(data)
-        except ValidationError as exc:
-            raise GatewayError(422, format_validation_error(exc), param=first_error_loc(exc)) from None
+        except ValidationError as exc:  # 400, as vLLM answers a request its models refuse
+            raise GatewayError(400, format_validation_error(exc), param=first_error_loc(exc)) from None
 
     async def check_admission(self, model: str) -> None:
         """429 while the model's queue holds ``max_queue_depth`` jobs no worker has taken."""
@@ -106,27 +106,53 @@ class OpenAIServing:
     # -- the request ----------------------------------------------------------------------------
 
     async def create(self, request: Request, data: dict[str, Any]) -> Response:
+        arrived = time.time()
         req = self.parse(data)
-        job_id = uuid.uuid4().hex
+        # one job per prompt (completions take a list); every check runs before the first is submitted
+        job_ids = [uuid.uuid4().hex for _ in range(req.num_jobs())]
         try:
-            job = req.to_job(job_id)
+            jobs = req.to_jobs(job_ids)
         except ValidationError as exc:
             raise GatewayError(400, format_validation_error(exc), param=req.param_of(first_error_loc(exc))) from None
         tenant = getattr(request.state, "tenant", None)  # set by the routers' auth dependency
         if tenant is not None:
-            job.metadata[TENANT_FIELD] = tenant.name  # the job (its hash and stream) carries its owner
-        await self.state.models.check(req.model, job.sampling.max_tokens)
+            for job in jobs:
+                job.metadata[TENANT_FIELD] = tenant.name  # each job (its hash and stream) carries its owner
+        await self.state.models.check(req.model, jobs[0].sampling.max_tokens)
+        await self.state.models.check_tokens(req.model, jobs, req.logit_bias_ids())
+        if req.logit_bias:
+            raise GatewayError(400, "logit_bias is not applied by this engine yet", param="logit_bias")
         await self.check_admission(req.model)
-        await self.producer.submit(job, queue_unserved=True)  # the model was checked just above, with the directory's cache
-        rid = f"{self.id_prefix}-{job_id}"
+        for job in jobs:
+            await self.producer.submit(job, queue_unserved=True)  # the model was checked just above
+        rid = f"{self.id_prefix}-{job_ids[0]}"
         created = int(time.time())
         if req.stream:
-            return EventStream(self.events(rid, req.model, created, job_id, req.n, req.include_usage),
+            return EventStream(self.events(req, rid, created, job_ids, arrived, jobs[0].sampling.max_tokens),
                                headers={"Cache-Control": "no-cache"})
-        result = await self.wait(request, job_id)
-        if result.status != JobStatus.COMPLETED:
-            raise job_error(result)
-        return JSONResponse(self.body(rid, req.model, created, result))
+        results = await self.wait_all(request, job_ids)
+        done = time.time()
+        for result in results:
+            self.metrics.vllm.observe_result(req.model, result, n=req.n, max_tokens=jobs[0].sampling.max_tokens,
+                                             arrived=arrived, finished=done)
+        return JSONResponse(self.body(req, rid, created, results))
+
+    async def wait_all(self, request: Request, job_ids: list[str]) -> list[JobResult]:
+        """Every job's result, in order; the first that fails fails the request and cancels the rest."""
+        tasks = [asyncio.ensure_future(self.wait(request, j)) for j in job_ids]
+        try:
+            results = []
+            for t in asyncio.as_completed(tasks):
+                result = await t
+                if result.status != JobStatus.COMPLETED:
+                    raise job_error(result)
+                results.append(result)
+            return [t.result() for t in tasks]
+        finally:
+            for t, job_id in zip(tasks, job_ids):
+                if not t.done():
+                    t.cancel()  # its wait() cancels the job
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def wait(self, request: Request, job_id: str) -> JobResult:
         """The job's result; cancels the job if the client disconnects or the request times out."""
@@ -146,40 +172,83 @@ class OpenAIServing:
             if not task.done():
                 task.cancel()
                 self.state.spawn(self.producer.cancel(job_id))
-            elif task.exception() is not None:
+            elif task.cancelled() or task.exception() is not None:
                 self.state.spawn(self.producer.cancel(job_id))
 
-    async def events(self, rid: str, model: str, created: int, job_id: str, n: int, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _follow(self, p: int, job_id: str, queue: asyncio.Queue) -> None:
+        events = self.producer.follow(job_id, timeout=self.settings.request_timeout_s)
+        try:
+            async for ev in events:
+                await queue.put((p, ev))
+            await queue.put((p, events.status))
+        except Exception as exc:  # the stream reports it as the job's end
+            await queue.put((p, exc))
+
+    async def events(self, req: OpenAIRequest, rid: str, created: int, job_ids: list[str], arrived: float,
+                     max_tokens: int | None) -> AsyncIterator[bytes]:
+        """The jobs' token events as one stream of chunks (prompt p's sample s is choice p * n + s)."""
         self.metrics.streams.inc()
         t0 = time.monotonic()
-        finished = False
+        n = req.n
+        queue: asyncio.Queue = asyncio.Queue()
+        followers = [asyncio.ensure_future(self._follow(p, j, queue)) for p, j in enumerate(job_ids)]
+        finished = failed = False
         try:
-            for opening in self.opening_chunks(rid, model, created, n):
+            for opening in self.opening_chunks(req, rid, created):
                 yield sse(opening)
-            text_offset: dict[int, int] = {}  # per sample: completions' text_offset of its next token
-            events = self.producer.follow(job_id, timeout=self.settings.request_timeout_s)
-            async for ev in events:
+            text_offset: dict[int, int] = {}  # per choice: completions' text_offset of its next token
+            generated: dict[int, int] = {}  # per choice: tokens so far (continuous_usage_stats)
+            first_token: dict[int, float] = {}  # per prompt: when its first token reached the gateway (vllm: metrics)
+            last_token: dict[int, float] = {}
+            done: set[int] = set()
+            while len(done) < len(job_ids):
+                p, ev = await queue.get()
+                if not isinstance(ev, TokenEvent):  # the job's end: its status, or the follow's error
+                    if ev != JobStatus.COMPLETED:
+                        result = await self.producer.result(job_ids[p], timeout=60)
+                        if result.status != JobStatus.COMPLETED:
+                            failed = True  # one prompt failing fails the request: the rest are cancelled below
+                            yield sse(job_error(result).body())
+                            yield sse("[DONE]")
+                            return
+                    done.add(p)
+                    continue
+                index = p * n + ev.sample
+                if ev.token_ids:
+                    last_token[p] = time.time()
+                    first_token.setdefault(p, last_token[p])
                 lps = None
                 if ev.logprobs:
-                    offset = text_offset.get(ev.sample, 0)
-                    lps = self.stream_logprobs(ev.logprobs, offset)
-                    text_offset[ev.sample] = offset + sum(len(t.token) for t in ev.logprobs)
+                    offset = text_offset.get(index, 0)
+                    lps = self.stream_logprobs(req, ev.logprobs, offset)
+                    text_offset[index] = offset + sum(len(t.token) for t in ev.logprobs)
+                generated[index] = generated.get(index, 0) + len(ev.token_ids)
                 if ev.text or ev.finish_reason or lps:
-                    yield sse(self.chunk(rid, model, created, ev.sample, ev.text, ev.finish_reason, logprobs=lps))
-            if events.status == JobStatus.COMPLETED and not include_usage:
-                finished = True  # nothing left to say that needs the result (two reads saved per stream)
-                yield sse("[DONE]")
-                return
-            result = await self.producer.result(job_id, timeout=60)
+                    chunk = self.chunk(req, rid, created, index, ev.text, ev.finish_reason, logprobs=lps)
+                    if req.return_token_ids:
+                        chunk["choices"][0]["token_ids"] = ev.token_ids
+                    if req.continuous_usage:
+                        # completion tokens so far of this choice (the prompt's size comes with the final usage)
+                        chunk["usage"] = {"prompt_tokens": 0, "completion_tokens": generated[index],
+                                          "total_tokens": generated[index]}
+                    yield sse(chunk)
             finished = True
-            if result.status != JobStatus.COMPLETED:
-                yield sse(job_error(result).body())
-            elif include_usage:
-                yield sse(usage_chunk(self.chunk_object, rid, model, created, result))
+            done_at = time.time()
+            results = [await self.producer.result(j, timeout=60) for j in job_ids]  # usage, and vLLM's metrics
+            if req.include_usage:
+                yield sse(usage_chunk(self.chunk_object, rid, req.model, created, results))
             yield sse("[DONE]")
+            for p, result in enumerate(results):
+                self.metrics.vllm.observe_result(req.model, result, n=n, max_tokens=max_tokens, arrived=arrived,
+                                                 finished=done_at, first_token=first_token.get(p),
+                                                 last_token=last_token.get(p))
         finally:
+            for f in followers:
+                f.cancel()
             self.metrics.streams.dec()
             self.metrics.latency.labels("stream").observe(time.monotonic() - t0)
-            if not finished:  # the client went away (or the stream failed): stop the job
-                self.metrics.disconnect_cancels.inc()
-                self.state.spawn(self.producer.cancel(job_id))
+            if not finished:  # the client went away, a prompt failed, or the stream failed: stop the jobs
+                if not failed:
+                    self.metrics.disconnect_cancels.inc()
+                for j in job_ids:
+                    self.state.spawn(self.producer.cancel(j))

@@ -84,7 +84,7 @@ def model_registry() -> str:
 
 
 def model_info() -> str:
-    """Hash: model name -> JSON of what its workers announced (``max_model_len``)."""
+    """Hash: model name -> JSON of what its workers announced (``max_model_len``, ``vocab_size``)."""
     return f"{PREFIX}:models:info"
 
 

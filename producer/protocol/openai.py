@@ -6,7 +6,7 @@ in the contract. Plain data and pydantic only; no I/O.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -29,7 +29,7 @@ class ChatMessageIn(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str  # any role reaches the chat template (vLLM's behaviour); ``developer`` is read as ``system``
     content: str | list[ContentPart] | None = None
 
     def flat(self) -> dict[str, str]:
@@ -67,25 +67,40 @@ def _bytes(token: str) -> list[int]:
     return list(token.encode("utf-8"))
 
 
-def chat_logprobs(lps: list[TokenLogprob]) -> dict:
+def token_name(token_id: int, token: str, as_token_ids: bool) -> str:
+    """A token as logprobs name it: its text, or ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``)."""
+    return f"token_id:{token_id}" if as_token_ids else token
+
+
+def chat_logprobs(lps: list[TokenLogprob], as_token_ids: bool = False) -> dict:
     """``choices[].logprobs`` of chat: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}``."""
-    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token),
-                         "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": _bytes(a.token)} for a in t.top_logprobs]}
-                        for t in lps],
-            "refusal": None}
+    content = []
+    for t in lps:
+        name = token_name(t.token_id, t.token, as_token_ids)
+        tops = [token_name(a.token_id, a.token, as_token_ids) for a in t.top_logprobs]
+        content.append({"token": name, "logprob": t.logprob, "bytes": _bytes(name),
+                        "top_logprobs": [{"token": n, "logprob": a.logprob, "bytes": _bytes(n)}
+                                         for n, a in zip(tops, t.top_logprobs)]})
+    return {"content": content, "refusal": None}
 
 
-def completion_logprobs(lps: list[TokenLogprob], text_offset: int = 0) -> dict:
+def completion_logprobs(lps: list[TokenLogprob], text_offset: int = 0, as_token_ids: bool = False) -> dict:
     """``choices[].logprobs`` of /v1/completions; ``text_offset`` of the first token (a stream continues it).
 
+    ``top_logprobs`` holds the sampled token first, then the most likely alternatives (as vLLM's
+    completions do: ``logprobs=0`` gives the sampled token's entry alone, ``logprobs=k`` up to k+1).
     Offsets add up the tokens' own texts, so a character split over two tokens counts
     each part's replacement character (as other servers that decode tokens alone do).
     """
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t in lps:
-        out["tokens"].append(t.token)
+        name = token_name(t.token_id, t.token, as_token_ids)
+        top = {name: t.logprob}
+        for a in t.top_logprobs:
+            top.setdefault(token_name(a.token_id, a.token, as_token_ids), a.logprob)
+        out["tokens"].append(name)
         out["token_logprobs"].append(t.logprob)
-        out["top_logprobs"].append({a.token: a.logprob for a in t.top_logprobs})
+        out["top_logprobs"].append(top)
         out["text_offset"].append(text_offset)
         text_offset += len(t.token)
     return out

@@ -76,7 +76,8 @@ def _utf8_bytes(value: str) -> int:
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant", "tool"]
+    # any role goes to the model's chat template, as vLLM passes it (the template decides what it means)
+    role: str = Field(min_length=1, max_length=64)
     content: str
 
     @field_validator("content")
@@ -223,6 +224,9 @@ class JobRequest(BaseModel):
     result_ttl_s: int = Field(default_factory=lambda: min(24 * 3600, job_limits().max_result_ttl_s), ge=1)
     output: OutputTarget = Field(default_factory=OutputTarget)
     metadata: dict[str, JsonValue] = Field(default_factory=dict)
+    # -- vLLM's request extensions (issue 24), carried to the worker --
+    #: the result carries the prompt's token ids (vLLM's ``return_token_ids``; the worker tokenized the prompt)
+    return_prompt_token_ids: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -411,6 +415,7 @@ class JobResult(BaseModel):
     outputs: list[SampleResult] = Field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_token_ids: list[int] | None = None  # when the job asked (``return_prompt_token_ids``)
     worker: str | None = None
     model: str | None = None  # the model the worker served (routing by model), not the name asked for
     deliveries: int = 0

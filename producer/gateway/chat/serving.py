@@ -14,14 +14,31 @@ class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
 
-    def body(self, rid: str, model: str, created: int, result: JobResult) -> dict[str, Any]:
-        return chat_completion_body(rid, model, created, result)
+    def body(self, req: ChatCompletionRequest, rid: str, created: int, results: list[JobResult]) -> dict[str, Any]:
+        (result,) = results
+        body = chat_completion_body(rid, req.model, created, result)
+        samples = {s.index: s for s in result.outputs}
+        echo = req.echo_text()
+        for choice in body["choices"]:
+            choice["message"]["content"] = echo + choice["message"]["content"]
+            s = samples.get(choice["index"])
+            if req.return_tokens_as_token_ids and s is not None and s.logprobs is not None:
+                choice["logprobs"] = chat_logprobs(s.logprobs, as_token_ids=True)
+            if req.return_token_ids:
+                choice["token_ids"] = s.token_ids if s is not None else result.token_ids
+        if req.return_token_ids:  # vLLM puts the prompt's ids on the response, the output's on each choice
+            body["prompt_token_ids"] = result.prompt_token_ids
+        return body
 
-    def chunk(self, rid, model, created, index, text, reason=None, logprobs=None) -> dict[str, Any]:
-        return chat_chunk(rid, model, created, index, text, reason, logprobs)
+    def chunk(self, req, rid, created, index, text, reason=None, logprobs=None) -> dict[str, Any]:
+        return chat_chunk(rid, req.model, created, index, text, reason, logprobs)
 
-    def opening_chunks(self, rid: str, model: str, created: int, n: int) -> list[dict[str, Any]]:
-        return [chat_chunk(rid, model, created, i, "", role=True) for i in range(n)]
+    def opening_chunks(self, req: ChatCompletionRequest, rid: str, created: int) -> list[dict[str, Any]]:
+        chunks = [chat_chunk(rid, req.model, created, i, "", role=True) for i in range(req.n)]
+        echo = req.echo_text()
+        if echo:
+            chunks += [chat_chunk(rid, req.model, created, i, echo) for i in range(req.n)]
+        return chunks
 
-    def stream_logprobs(self, lps: list[TokenLogprob], text_offset: int) -> dict:
-        return chat_logprobs(lps)
+    def stream_logprobs(self, req: ChatCompletionRequest, lps: list[TokenLogprob], text_offset: int) -> dict:
+        return chat_logprobs(lps, req.return_tokens_as_token_ids)

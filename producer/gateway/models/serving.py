@@ -8,6 +8,7 @@ from pagestream.producer.gateway.errors import GatewayError
 from pagestream.producer.gateway.protocol import model_list
 from pagestream.producer.gateway.state import GatewayState
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.schema import JobRequest
 
 
 def _info(raw: bytes | None) -> dict:
@@ -43,6 +44,25 @@ class OpenAIServingModels:
         if max_tokens is not None and isinstance(limit, int) and max_tokens >= limit:
             raise GatewayError(400, f"max_tokens ({max_tokens}) leaves no room for the prompt in the model's context of {limit} tokens",
                                param="max_tokens", code="context_length_exceeded")
+
+    async def check_tokens(self, model: str, jobs: list[JobRequest], logit_bias_ids: list[int]) -> None:
+        """400 for token ids outside the served vocabulary (prompt ids, ``stop_token_ids``, ``logit_bias`` keys),
+        checked against what the model's workers announced, so no worker spends a step on them."""
+        vocab = (await self.served()).get(model, {}).get("vocab_size")
+        if not isinstance(vocab, int):
+            return  # a worker that did not announce it: the engine checks at admission
+        for job in jobs:
+            ids = job.prompt_token_ids or []
+            if ids and max(ids) >= vocab:
+                raise GatewayError(400, f"Token id {max(ids)} is out of vocabulary (vocabulary size {vocab})", param="prompt")
+            stops = job.sampling.stop_token_ids or []
+            if stops and max(stops) >= vocab:
+                raise GatewayError(400, f"stop_token_ids contain out-of-vocab token id {max(stops)} (vocabulary size {vocab})",
+                                   param="stop_token_ids")
+        bad = sorted(t for t in logit_bias_ids if not 0 <= t < vocab)
+        if bad:
+            raise GatewayError(400, f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab}",
+                               param="logit_bias")
 
     async def list(self) -> dict:
         return model_list(sorted(await self.served()))
