@@ -300,3 +300,39 @@ def test_smollm2_at_temperature_one_conforms(hf_model, tokenizer, vocab_size, pa
     assert finished >= (1 if params.json_object else num)
     assert manager.stats()["structured_compilations"] == 1
     manager.shutdown()
+
+
+# ---- the sampler applies the mask before every other step ------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": 0.0},
+    {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 7},
+    {"temperature": 1.3, "min_p": 0.05, "repetition_penalty": 1.2, "logprobs": 2},
+])
+def test_sampler_draws_only_allowed_tokens_and_leaves_other_rows_alone(tokenizer, vocab_size, kwargs):
+    from pagestream.engine.sampler import Sampler
+    from pagestream.engine.sequence import Sequence
+    from pagestream.engine.structured_output import StructuredOutputGrammar
+
+    backend = XgrammarBackend(tokenizer, vocab_size, max_threads=1)
+    g = StructuredOutputGrammar(backend.matcher(backend.compile(StructuredOutputsParams(regex="[0-9]{2}"))), vocab_size)
+    params = SamplingParams(**kwargs)
+    seqs = [Sequence(f"s{i}", f"r{i}", 0, [1, 2, 3], 3, params, i) for i in range(4)]
+    bitmask = allocate_bitmask(4, vocab_size)
+    g.fill_bitmask(bitmask, 1)
+    g.fill_bitmask(bitmask, 3)
+    sampler = Sampler(vocab_size, {tokenizer.eos_token_id}, seed=0, device=torch.device("cpu"))
+    torch.manual_seed(1)
+    logits = torch.randn(4, vocab_size) * 5
+    plain = sampler(logits.clone(), seqs).token_ids.tolist()
+    out = sampler(logits.clone(), seqs, (bitmask, [1, 3]))
+    tokens = out.token_ids.tolist()
+    for row in (1, 3):
+        assert re.fullmatch("[0-9]{1,2}", tokenizer.decode([tokens[row]])), tokens[row]
+    if params.greedy or params.seed is not None:  # rows without a constraint draw what they drew before
+        assert [tokens[0], tokens[2]] == [plain[0], plain[2]]
+    if params.logprobs:  # the model's own distribution, before the mask
+        lp = torch.log_softmax(logits[1], dim=-1)[tokens[1]].item()
+        assert out.chosen[1].item() == pytest.approx(lp, abs=1e-4)
+    backend.shutdown()
