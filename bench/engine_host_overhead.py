@@ -62,7 +62,9 @@ def main() -> None:
         engine.__class__ = _core_engine_class()
         engine.detokenize = False
         plain_step = engine.step
-        engine.step = lambda: pickle.dumps(("out", plain_step(), None), protocol=pickle.HIGHEST_PROTOCOL)
+        from pagestream.engine.core_messages import CoreOutput, CoreOutputType
+
+        engine.step = lambda: pickle.dumps(CoreOutput(CoreOutputType.OUTPUTS, plain_step(), None), protocol=pickle.HIGHEST_PROTOCOL)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=(2 if args.phases else 1) * args.steps + 40, ignore_eos=True, output_kind=args.output_kind)
     for i in range(args.num_seqs):

@@ -61,7 +61,7 @@ def free(device):
 
 # ---- 1. all-reduce between the GPUs ----------------------------------------------------------------
 def _allreduce_rank(rank, size, port, sizes, queue):
-    from pagestream.engine.distributed import disable_multicast
+    from pagestream.engine.parallel_state import disable_multicast
 
     disable_multicast()
     import torch.distributed as dist
@@ -115,7 +115,7 @@ def _allreduce_rank(rank, size, port, sizes, queue):
 def allreduce_bench(hidden: int) -> dict:
     import multiprocessing as mp
 
-    from pagestream.engine.distributed import _free_port, disable_multicast
+    from pagestream.engine.parallel_state import disable_multicast, free_port as _free_port
 
     disable_multicast()
     # one decode token, a 256-sequence decode step, a 2,048-token chunk, and a large message for bandwidth

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 
 class EngineDeadError(RuntimeError):
-    """The engine can run no further step: its core process (``engine.core_process``) or a
+    """The engine can run no further step: its core process (``engine.engine_process``) or a
     tensor-parallel rank died (with its shard of the weights and of the KV cache). A worker must exit rather than retry, so that its jobs are
     reclaimed by workers whose engines still run."""

@@ -1,6 +1,6 @@
 """A request's input checked and tokenized before it reaches the scheduler (plain Python, no torch).
 
-``LLMEngine`` runs it in its own process; an engine in another process (``engine.core_process``)
+``LLMEngine`` runs it in its own process; an engine in another process (``engine.engine_process``)
 runs it on the caller's side, so a bad request still raises ``ValueError`` at ``add_request``
 and tokenization never takes time from the process that drives the GPU.
 """

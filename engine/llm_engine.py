@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,6 +16,7 @@ from pagestream.engine.outputs import CompletionOutput, EngineStats, RequestOutp
 from pagestream.engine.sampling_params import SamplingParams
 from pagestream.engine.scheduler import Scheduler
 from pagestream.engine.sequence import Sequence, SequenceStatus
+from pagestream.engine.tokenizer import eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
     from pagestream.engine.model_runner import StepHandle
@@ -48,30 +47,6 @@ class _Request:
         return True
 
 
-def _load_tokenizer(path: str):
-    if not (os.path.isfile(os.path.join(path, "tokenizer.json")) or os.path.isfile(os.path.join(path, "tokenizer_config.json"))):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def _eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    gen_file = os.path.join(config.model, "generation_config.json")
-    sources = [config.hf_config.get("eos_token_id")]
-    if os.path.isfile(gen_file):
-        sources.append(json.loads(open(gen_file).read()).get("eos_token_id"))
-    if tokenizer is not None:
-        sources.append(tokenizer.eos_token_id)
-    for src in sources:
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, list):
-            ids.update(i for i in src if isinstance(i, int))
-    return ids
-
-
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -81,13 +56,13 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, *, detokenize: bool = True, **kwargs) -> None:
         """``detokenize=False``: outputs carry token ids only, and stop strings are the caller's
-        (an engine core whose caller detokenizes, ``engine.core_process``)."""
+        (an engine core whose caller detokenizes, ``engine.engine_process``)."""
         from pagestream.engine.model_runner import ModelRunner  # torch lives below this line
 
         self.config = config if config is not None else EngineConfig(**kwargs)
-        self.tokenizer = _load_tokenizer(self.config.tokenizer_path)
+        self.tokenizer = load_tokenizer(self.config.tokenizer_path)
         self.detokenize = detokenize
-        self.eos_token_ids = _eos_token_ids(self.config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
         self.runner = ModelRunner(self.config, self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(

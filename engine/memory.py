@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagestream.engine.config import check_tensor_parallel
-from pagestream.engine.distributed import TPGroup, tensor_parallel
+from pagestream.engine.parallel_state import TPGroup, tensor_parallel
 from pagestream.engine.loader import construct_model, weight_bytes
 
 GiB = 2**30

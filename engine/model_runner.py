@@ -12,10 +12,11 @@ import numpy as np
 import torch
 
 from pagestream.engine.config import EngineConfig
-from pagestream.engine.distributed import TensorParallelDriver, TPGroup, tensor_parallel, unpack_step
 from pagestream.engine.input_batch import InputBatch
 from pagestream.engine.layers.attention import AttentionMetadata
 from pagestream.engine.loader import build_model
+from pagestream.engine.parallel_state import TPGroup, tensor_parallel
+from pagestream.engine.rank_executor import TensorParallelDriver, unpack_step
 from pagestream.engine.sampler import HostSample, Sampler, SamplerOutput
 from pagestream.engine.scheduler import SchedulerOutput
 from pagestream.engine.sequence import Sequence
@@ -123,7 +124,7 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     """One rank's runner. ``tp`` is given on ranks 1..N-1 (spawned by rank 0, see
-    engine/distributed.py); the engine's runner leaves it None and, at tensor_parallel_size > 1,
+    engine/rank_executor.py); the engine's runner leaves it None and, at tensor_parallel_size > 1,
     is rank 0: it starts the other ranks and ships them every step."""
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int], tp: TPGroup | None = None) -> None:
@@ -141,7 +142,7 @@ class ModelRunner:
                                   torch.cuda.get_device_properties(self.device).total_memory, config.gpu_memory_utilization)
             tp = TPGroup()
             if tp_size > 1:
-                self.driver = TensorParallelDriver(config, self.device)
+                self.driver = TensorParallelDriver(config, self.device, rank_runner)
                 weakref.finalize(self, self.driver.shutdown)
                 tp = self.driver.tp
         self.tp = tp
@@ -451,12 +452,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self, header: dict) -> None:
-        """Ranks 1..N-1: run the step rank 0 published (``distributed.pack_step``'s header; the
+        """Ranks 1..N-1: run the step rank 0 published (``rank_executor.pack_step``'s header; the
         buffers arrive by broadcast). The logits take part in the vocabulary gather, then go unused."""
         buffers = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in header["buffer_bytes"]]
         for buf in buffers:
             torch.distributed.broadcast(buf, src=0, group=self.tp.group)
-        inp = unpack_step(header, buffers)
+        input_ids, positions, meta, sample_rows = unpack_step(header, buffers)
+        inp = StepInputs(input_ids, positions, AttentionMetadata(**meta), sample_rows, [])
         hidden = self._forward(inp)
         if inp.sample_rows.numel():
             self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
@@ -523,3 +525,8 @@ class ModelRunner:
             rows = self.sample_buckets[-1]
             self._dummy_forward(rows, rows, logit_rows=self.sample_buckets)
         torch.cuda.synchronize(self.device)
+
+
+def rank_runner(config: EngineConfig, tp: TPGroup) -> ModelRunner:
+    """The runner of a spawned rank 1..N-1 (``rank_executor``'s ``build_runner``)."""
+    return ModelRunner(config, set(), tp=tp)

@@ -1,4 +1,4 @@
-"""The engine core in a process of its own (``engine.core_process``): the same outputs as
+"""The engine core in a process of its own (``engine.engine_process``): the same outputs as
 ``LLMEngine`` in-process, bad input still refused at ``add_request``, and a core that dies
 stops its worker, whose jobs another worker then finishes exactly."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from pagestream.engine import EngineConfig, SamplingParams
-from pagestream.engine.core_process import EngineProcess
+from pagestream.engine.engine_process import EngineProcess
 from pagestream.engine.errors import EngineDeadError
 from pagestream.producer import JobStatus
 from pagestream.producer.protocol import keys

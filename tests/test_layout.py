@@ -99,3 +99,125 @@ def test_redis_key_names_are_built_in_producer_keys_only():
                 continue
             bad += [f"{path.relative_to(ROOT)}:{line} builds a key by hand: {what}" for line, what in _hand_built_keys(path)]
     assert not bad, "\n".join(bad)
+
+
+# ---- no import circle inside a package -------------------------------------------------------------
+# producer/bulk/storage.py <-> s3.py is known and fixed on the `contract` branch (task B of issue 21):
+# the lead removes this entry when that lands.
+EXPECTED_CIRCLES = [{"pagestream.producer.bulk.storage", "pagestream.producer.bulk.s3"}]
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["pagestream", *parts])
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports_of(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The package modules ``path`` imports anywhere (inside functions too), leaving out the body of
+    ``if TYPE_CHECKING:`` (never run)."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    found: set[str] = set()
+
+    def target(name: str) -> None:
+        while name and name not in modules:  # pagestream.engine.config.X -> pagestream.engine.config
+            name = name.rpartition(".")[0]
+        if name and name != me:
+            found.add(name)
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for alias in node.names:  # `from pkg import submodule` imports the submodule
+                if f"{mod}.{alias.name}" in modules:
+                    target(f"{mod}.{alias.name}")
+                else:
+                    target(mod)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return found
+
+
+def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[set[str]] = []
+    counter = [0]
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def package_circles(package: str) -> list[set[str]]:
+    paths = sorted((ROOT / package).rglob("*.py"))
+    modules = {_module_name(p) for p in paths}
+    prefix = f"pagestream.{package}"
+    graph = {_module_name(p): {m for m in _imports_of(p, modules) if m.startswith(prefix)} for p in paths}
+    return _circles(graph)
+
+
+def test_the_circle_finder_finds_a_circle_through_a_function_level_import():
+    """The check itself can fail: a -> b at module level, b -> c, c -> a inside a function."""
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_inside_any_package():
+    """Each package's modules import one another as a tree (imports inside functions count; those
+    under ``if TYPE_CHECKING:`` do not): a circle means two modules that are really one, or a layer
+    reaching back up."""
+    bad = []
+    for package in ("producer", "worker", "engine", "kernels"):
+        for circle in package_circles(package):
+            if circle not in EXPECTED_CIRCLES:
+                bad.append(" <-> ".join(sorted(circle)))
+    assert not bad, "import circles:\n" + "\n".join(bad)

@@ -71,7 +71,7 @@ def build_engine(settings) -> object:
     try:
         config = EngineConfig(model=model, **knobs)
         if settings.engine_process if settings.engine_process is not None else on_gpu:
-            from pagestream.engine.core_process import EngineProcess
+            from pagestream.engine.engine_process import EngineProcess
 
             engine = EngineProcess(config)
         else:

@@ -37,7 +37,7 @@ class _QueueSettings(BaseSettings):
     # the engine's knobs (max_num_seqs, dtype, block_size, ...) are added below from EngineConfig
     # (worker/engine_options.py); None takes the engine's default. max_num_seqs None: 512 on a GPU,
     # 8 on the CPU, where a step over many sequences is slow and the queue is better shared among workers.
-    # run the engine core in a process of its own (engine.core_process), so the worker's Redis
+    # run the engine core in a process of its own (engine.engine_process), so the worker's Redis
     # I/O and threads never hold the GIL its step needs; None: on for CUDA, off on the CPU
     engine_process: bool | None = None
 

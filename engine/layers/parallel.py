@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagestream.engine.distributed import TPGroup, current_tp
+from pagestream.engine.parallel_state import TPGroup, current_tp
 
 
 def _check_rows(name: str, loaded, want: int, param: torch.Tensor) -> None:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagestream.engine.distributed import current_tp
+from pagestream.engine.parallel_state import current_tp
 from pagestream.engine.layers.attention import AttentionMetadata, PagedAttention
 from pagestream.engine.layers.parallel import ParallelLMHead, local_heads
 from pagestream.engine.layers.rotary import rope_settings

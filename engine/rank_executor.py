@@ -1,8 +1,8 @@
-"""Tensor parallelism over processes: one process per rank, torch.distributed between them
-(NCCL on CUDA, gloo on the CPU).
+"""Tensor parallelism over processes: rank 0's driver of the other ranks (groups and collectives:
+``engine.parallel_state``).
 
 Rank 0 is the engine's own process: it schedules, prepares each step's inputs, samples. Ranks
-1..N-1 are spawned processes (``_follower_main``) that hold their shard of the weights and of the
+1..N-1 are spawned processes (``_rank_main``) that hold their shard of the weights and of the
 KV pool and replay every step rank 0 launches:
 
     rank 0: prepare(step) -> header over a pipe -> broadcast of the input buffers -> forward -> sample
@@ -17,89 +17,21 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from pagestream.engine.errors import EngineDeadError
+from pagestream.engine.parallel_state import disable_multicast, free_port, init_group
 
 if TYPE_CHECKING:
     from pagestream.engine.config import EngineConfig
     from pagestream.engine.model_runner import StepInputs
 
 logger = logging.getLogger(__name__)
-
-# NVLink multicast (NVLS) can take a host's shared GPUs out of service: keep it off in this
-# process and, through the inherited environment, in every rank it spawns (set again there).
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def disable_multicast() -> None:
-    os.environ.update(MULTICAST_OFF)
-
-
-def _timeout() -> timedelta:
-    # How long a collective may wait for a peer: longer than the slowest rank's weight load.
-    return timedelta(seconds=float(os.environ.get("PAGESTREAM_TP_TIMEOUT_S", "600")))
-
-
-@dataclass(frozen=True)
-class TPGroup:
-    """This process's place in the tensor-parallel group. ``group`` is None at size 1, and also
-    when a model is only being sized (built on the meta device): then nothing communicates."""
-
-    rank: int = 0
-    size: int = 1
-    group: Any = None
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place."""
-        if self.size > 1 and self.group is not None:
-            dist.all_reduce(x, group=self.group)
-        return x
-
-    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """[n, d] on each rank -> [n, size * d], rank 0's columns first (every rank gets it)."""
-        if self.size == 1 or self.group is None:
-            return x
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=-1)
-
-
-_current = TPGroup()
-
-
-def current_tp() -> TPGroup:
-    """The group layers built now belong to (``tensor_parallel`` sets it around model construction)."""
-    return _current
-
-
-@contextlib.contextmanager
-def tensor_parallel(tp: TPGroup) -> Iterator[TPGroup]:
-    """Build layers for ``tp``: each parallel layer keeps the group it was built under."""
-    global _current
-    prev, _current = _current, tp
-    try:
-        yield tp
-    finally:
-        _current = prev
-
-
-def init_group(backend: str, init_method: str, rank: int, size: int, device: torch.device) -> TPGroup:
-    disable_multicast()
-    kwargs: dict[str, Any] = {}
-    if backend == "nccl":
-        kwargs["device_id"] = device  # create the communicator now: a broken link fails at start, not mid-step
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=_timeout(), **kwargs)
-    return TPGroup(rank, size, dist.group.WORLD)
 
 
 # ---- one step's inputs, shipped from rank 0 ----------------------------------------------------
@@ -136,9 +68,9 @@ def pack_step(inp: "StepInputs") -> tuple[dict, list[torch.Tensor]]:
     return header, buffers
 
 
-def unpack_step(header: dict, buffers: list[torch.Tensor]) -> "StepInputs":
-    from pagestream.engine.layers.attention import AttentionMetadata
-    from pagestream.engine.model_runner import StepInputs
+def unpack_step(header: dict, buffers: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor]:
+    """``pack_step``'s tensors rebuilt over the received buffers: (input_ids, positions, the
+    attention metadata's fields, sample_rows); the runner makes its ``StepInputs`` of them."""
 
     def build(s):
         if s[0] == "value":
@@ -146,32 +78,29 @@ def unpack_step(header: dict, buffers: list[torch.Tensor]) -> "StepInputs":
         _, i, dtype, shape, stride, offset = s
         return buffers[i].view(_dtype(dtype)).as_strided(shape, stride, offset)
 
-    meta = AttentionMetadata(**{k: build(v) for k, v in header["meta"].items()})
-    return StepInputs(build(header["input_ids"]), build(header["positions"]), meta, build(header["sample_rows"]), [])
+    meta = {k: build(v) for k, v in header["meta"].items()}
+    return build(header["input_ids"]), build(header["positions"]), meta, build(header["sample_rows"])
 
 
 # ---- rank 0's side ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TensorParallelDriver:
-    """Rank 0's handle on the other ranks: starts them, ships each step, notices a death."""
+    """Rank 0's handle on the other ranks: starts them, ships each step, notices a death.
 
-    def __init__(self, config: "EngineConfig", device: torch.device) -> None:
+    ``build_runner(config, tp)`` (a module-level function: it crosses to the spawned ranks) makes a
+    rank's runner, which has ``warm_up()`` and ``follow(header)``."""
+
+    def __init__(self, config: "EngineConfig", device: torch.device, build_runner: Callable) -> None:
         self.size = config.tensor_parallel_size
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         disable_multicast()
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")  # CUDA does not survive fork
         self.procs: list[mp.process.BaseProcess] = []
         self.conns = []
         self._closed = False
         for rank in range(1, self.size):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_follower_main, args=(rank, config, init_method, self.backend, theirs),
+            proc = ctx.Process(target=_rank_main, args=(rank, config, init_method, self.backend, theirs, build_runner),
                                name=f"pagestream-tp{rank}", daemon=True)
             proc.start()
             theirs.close()
@@ -295,7 +224,7 @@ class _WatchedEvent:
 
 
 # ---- ranks 1..N-1 ----------------------------------------------------------------------------------
-def _follower_main(rank: int, config: "EngineConfig", init_method: str, backend: str, conn) -> None:
+def _rank_main(rank: int, config: "EngineConfig", init_method: str, backend: str, conn, build_runner: Callable) -> None:
     """A spawned rank: build its shard, then replay rank 0's steps until told to stop (or until
     rank 0 goes away: the pipe closes)."""
     disable_multicast()
@@ -303,11 +232,9 @@ def _follower_main(rank: int, config: "EngineConfig", init_method: str, backend:
         if backend == "nccl":
             torch.cuda.set_device(rank)
         conn.send(("hello", os.getpid()))
-        from pagestream.engine.model_runner import ModelRunner
-
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         tp = init_group(backend, init_method, rank, config.tensor_parallel_size, device)
-        runner = ModelRunner(config, set(), tp=tp)
+        runner = build_runner(config, tp)
         runner.warm_up()  # rank 0's engine warms up right after building its runner: the same collectives
         while True:
             try:
