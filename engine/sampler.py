@@ -83,6 +83,9 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._seeded = torch.Generator(device=device)
+        # structured outputs: the engine's function giving a step's (bitmask, constrained rows) for its
+        # sampled sequences, or None when no row is constrained (set by LLMEngine)
+        self.grammar_rows = None
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
@@ -99,6 +102,8 @@ class Sampler:
         Logprobs report the model's distribution before the mask (as vLLM's raw logprobs).
         """
         # logits: [num_seqs, vocab] float32 (the model's raw output for each row's last position)
+        if grammar_bitmask is None and self.grammar_rows is not None:
+            grammar_bitmask = self.grammar_rows(seqs)
         masked = grammar_bitmask is not None and bool(grammar_bitmask[1])
         if self._plain_greedy(seqs):
             if masked:
