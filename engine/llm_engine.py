@@ -38,6 +38,7 @@ class _Request:
     reported: list[int] = field(default_factory=list)
     pending_logprobs: list[list[dict[int, float]]] = field(default_factory=list)
     cumulative_logprob: list[float] = field(default_factory=list)
+    error: str | None = None  # why the request ended without output (a grammar that cannot compile)
 
     @property
     def finished(self) -> bool:
@@ -195,9 +196,8 @@ class LLMEngine:
                 for seq in req.seqs:  # the scheduler ends them, as it ends every sequence
                     self.scheduler.add(seq)
                     self.scheduler.finish(seq, "abort")
-                out = self._make_output(req)
-                out.error = str(exc)
-                failed.append(out)
+                req.error = str(exc)
+                failed.append(self._make_output(req))
                 self._forget(req)
                 continue
             del self._awaiting_grammar[rid]
@@ -384,7 +384,7 @@ class LLMEngine:
                 )
             )
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
-                             metrics=self._final_metrics(req))
+                             error=req.error, metrics=self._final_metrics(req))
 
     # ---- stats ----------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -134,3 +134,25 @@ def test_preemption_under_kv_pressure_still_conforms(smollm2_dir):
             if c.finish_reason == "stop":
                 jsonschema.validate(json.loads(c.text), schema)
     assert sum(c.finish_reason == "stop" for o in outs for c in o.outputs) >= 6
+
+
+def test_the_engine_process_carries_constraints_and_compile_errors(smollm2_dir):
+    """The worker's engine core runs in a process of its own: the constraint and a compile error cross it."""
+    from pagestream.engine import EngineConfig
+    from pagestream.engine.engine_process import EngineProcess
+
+    ep = EngineProcess(EngineConfig(model=smollm2_dir, max_model_len=256))
+    try:
+        ep.add_request("bad", prompt="x", params=SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(a")))
+        ep.add_request("good", prompt="Pick", params=SamplingParams(
+            max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["red", "blue"])))
+        text, fin = {"bad": "", "good": ""}, {}
+        while len(fin) < 2:
+            for o in ep.step():
+                text[o.request_id] += o.outputs[0].text if o.outputs else ""
+                if o.finished:
+                    fin[o.request_id] = (o.error, o.outputs[0].finish_reason if o.outputs else None)
+    finally:
+        ep.shutdown() if hasattr(ep, "shutdown") else ep.close()
+    assert "parenthesis is not closed" in fin["bad"][0]
+    assert fin["good"] == (None, "stop") and text["good"] in ("red", "blue")
