@@ -67,10 +67,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     from pagestream.engine import EngineConfig, LLMEngine
-    try:
-        from pagestream.engine.engine_process import EngineProcess
-    except ImportError:  # the tree before the engine's output path was split
-        from pagestream.engine.core_process import EngineProcess
+    from pagestream.engine.engine_process import EngineProcess
 
     device = torch.device(args.device)
     cfg = EngineConfig(model=model_dir_for(args.shape, device), device=device.type,

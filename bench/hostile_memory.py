@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.queue_helpers: the same private redis-server the tests use
 
 from pagestream.producer import JobStatus, Producer  # noqa: E402
-from pagestream.producer.protocol import keys
+from pagestream.producer.protocol import keys  # noqa: E402
+from pagestream.producer.protocol.job import JobField  # noqa: E402
 from pagestream.producer.protocol.schema import JobResult  # noqa: E402
 from tests.queue_helpers import start_redis_server  # noqa: E402
 
@@ -99,7 +100,7 @@ def main() -> None:
         while time.monotonic() < deadline:
             if not idle_rss and "ready" in (workdir / "worker.log").read_text():
                 idle_rss = _proc_kib(worker.pid, "VmRSS")
-            done = sum(1 for j in big_ids + good_ids if r.hexists(keys.job_hash(j), "result"))
+            done = sum(1 for j in big_ids + good_ids if r.hexists(keys.job_hash(j), JobField.RESULT))
             if done == len(big_ids) + len(good_ids) and r.xpending(stream, "workers")["pending"] == 0:
                 break
             if worker.poll() is not None:
@@ -111,7 +112,7 @@ def main() -> None:
         time.sleep(12)  # one trim interval (10 s): acked entries leave the lane
         stop.set()
         sampler.join(5)
-        results = [JobResult.model_validate_json(r.hget(keys.job_hash(j), "result")) for j in big_ids + good_ids]
+        results = [JobResult.model_validate_json(r.hget(keys.job_hash(j), JobField.RESULT)) for j in big_ids + good_ids]
         big = results[: len(big_ids)]
         good = results[len(big_ids):]
         mem = r.info("memory")

@@ -16,7 +16,8 @@ from redis.cluster import RedisCluster
 
 from pagestream.producer import JobStatus, Producer
 from pagestream.producer.protocol import keys
-from pagestream.producer.client.core import RESERVE_LUA, queued_key_ttl_s
+from pagestream.producer.client.core import queued_key_ttl_s
+from pagestream.producer.protocol.job import RESERVE_LUA
 from pagestream.producer.protocol.redis_conn import connect
 from pagestream.producer.protocol.schema import JobRequest
 from pagestream.producer.protocol.wire import JOB_FIELD, job_fields

@@ -102,9 +102,6 @@ def test_redis_key_names_are_built_in_producer_keys_only():
 
 
 # ---- no import circle inside a package -------------------------------------------------------------
-# producer/bulk/storage.py <-> s3.py is known and fixed on the `contract` branch (task B of issue 21):
-# the lead removes this entry when that lands.
-EXPECTED_CIRCLES = [{"pagestream.producer.bulk.storage", "pagestream.producer.bulk.s3"}]
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -217,7 +214,114 @@ def test_no_import_circle_inside_any_package():
     reaching back up."""
     bad = []
     for package in ("producer", "worker", "engine", "kernels"):
-        for circle in package_circles(package):
-            if circle not in EXPECTED_CIRCLES:
-                bad.append(" <-> ".join(sorted(circle)))
+        bad += [" <-> ".join(sorted(circle)) for circle in package_circles(package)]
     assert not bad, "import circles:\n" + "\n".join(bad)
+
+# ---- the Redis hashes: one module each names their fields ------------------------------------------
+
+PROTOCOL = ROOT / "producer" / "protocol"
+#: Redis hash commands whose arguments after the key are field names (HSET's values are skipped below)
+_HASH_COMMANDS = {"hget", "hmget", "hset", "hsetnx", "hincrby", "hincrbyfloat", "hdel", "hexists"}
+
+
+def _hash_field_names() -> set[str]:
+    from pagestream.producer.protocol import bulk, job
+
+    return set(job.FIELDS) | set(bulk.FIELDS)
+
+
+def _spelled_fields(path, fields):
+    """Field names spelled as literals where a hash is touched: the field arguments and ``mapping=``
+    keys of HGET/HMGET/HSET/HSETNX/HINCRBY/HDEL calls, the keys of a dict handed to them, and
+    quoted names inside Lua (a string that calls redis.call/pcall)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "redis.call" in node.value:
+            for f in fields:
+                if f"'{f}'" in node.value or f'"{f}"' in node.value:
+                    yield node.lineno, f"Lua names {f!r}"
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
+            if "redis.call" in text:
+                for f in fields:
+                    if f"'{f}'" in text:
+                        yield node.lineno, f"Lua names {f!r}"
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _HASH_COMMANDS):
+            continue
+        args = node.args[1:]  # the first is the key
+        if node.func.attr == "hset" and len(args) == 2:
+            args = args[:1]  # HSET key field value
+        if node.func.attr in ("hsetnx", "hincrby", "hincrbyfloat"):
+            args = args[:1]
+        values = [*args, *(kw.value for kw in node.keywords if kw.arg in ("mapping", "keys", "key"))]
+        for v in values:
+            items = v.elts if isinstance(v, (ast.List, ast.Tuple)) else v.keys if isinstance(v, ast.Dict) else [v]
+            for item in items:
+                if isinstance(item, ast.Constant) and item.value in fields:
+                    yield node.lineno, f"{node.func.attr} names {item.value!r}"
+
+
+def test_hash_fields_are_named_in_their_protocol_module_only():
+    """The job hash's and the bulk hash's fields are spelled in producer/protocol/job.py and bulk.py alone;
+    everything else uses their JobField/BulkField names and scripts."""
+    fields = _hash_field_names()
+    assert {"status", "cancel_requested", "entry_id", "result", "deliveries", "submitted", "spec"} <= fields
+    bad = []
+    for package in ("producer", "worker", "bench"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.is_relative_to(PROTOCOL):
+                continue
+            bad += [f"{path.relative_to(ROOT)}:{line} {what}" for line, what in _spelled_fields(path, fields)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_field_check_catches_a_hand_spelled_field(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("pipe.hset(jh, mapping={'status': 'running'})\nr.hget(k, 'cancel_requested')\n"
+                      "LUA = \"redis.call('HGET', KEYS[1], 'entry_id')\"\nr.hset(k, 'x', 'status')\n")
+    found = [what for _, what in _spelled_fields(sample, _hash_field_names())]
+    assert found == ["hset names 'status'", "hget names 'cancel_requested'", "Lua names 'entry_id'"] or \
+        sorted(found) == sorted(["hset names 'status'", "hget names 'cancel_requested'", "Lua names 'entry_id'"])
+
+
+#: the top of the house: commands that mount the producer's CLIs beside the worker's
+_WORKER_MAY_IMPORT_ALL_OF_PRODUCER = {"cli.py", "serve_cli.py", "demo.py"}
+_WORKER_MAY_IMPORT = ("pagestream.producer.protocol", "pagestream.producer.bulk.storage", "pagestream.producer.bulk.s3",
+                      "pagestream.producer.bulk.stores", "pagestream.producer.bulk.parts")
+
+
+def test_the_worker_imports_only_the_contract_and_the_bulk_storage():
+    bad = []
+    for path in sorted((ROOT / "worker").rglob("*.py")):
+        if path.name in _WORKER_MAY_IMPORT_ALL_OF_PRODUCER:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            if isinstance(node, ast.ImportFrom) and node.module == "pagestream.producer":
+                names = [f"pagestream.producer.{a.name}" for a in node.names]
+            for n in names:
+                if (n == "pagestream.producer" or n.startswith("pagestream.producer.")) and \
+                        not any(n == ok or n.startswith(ok + ".") for ok in _WORKER_MAY_IMPORT):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {n}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_three_engines_satisfy_the_workers_engine_protocol():
+    """LLMEngine, EngineProcess and FakeEngine have every method the worker calls (worker/engine_api.py)."""
+    import inspect
+
+    from pagestream.engine.engine_process import EngineProcess
+    from pagestream.engine.llm_engine import LLMEngine
+    from pagestream.worker.engine_api import Engine
+    from pagestream.worker.fake_engine import FakeEngine
+
+    assert isinstance(FakeEngine(), Engine)
+    wanted = {n for n, v in vars(Engine).items() if inspect.isfunction(v) and not n.startswith("_")}
+    assert {"add_request", "step", "abort_request", "num_admittable"} <= wanted
+    for cls in (LLMEngine, EngineProcess, FakeEngine):
+        missing = sorted(n for n in wanted if not callable(getattr(cls, n, None)))
+        assert not missing, f"{cls.__name__} lacks {missing}"
+        params = inspect.signature(cls.add_request).parameters
+        assert {"prompt", "params", "prompt_token_ids", "resume_token_ids", "priority"} <= set(params), cls

@@ -11,7 +11,7 @@ import redis
 
 from pagestream.producer import AsyncProducer, JobStatus, ModelNotServed, Producer
 from pagestream.producer.protocol import keys
-from pagestream.producer.client.core import CANCEL_LUA, SUBMIT_LUA
+from pagestream.producer.protocol.job import CANCEL_LUA, SUBMIT_LUA
 from pagestream.producer.protocol.wire import end_fields, token_event_fields
 from private_redis import PrivateRedis
 

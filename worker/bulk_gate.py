@@ -2,7 +2,7 @@
 
 A bulk that is cancelling, cancelled, expired or failed will never use more
 results, so its queued jobs are acked without running (no dead letter: nothing
-is wrong with them). ``BulkGate.is_live`` caches ``producer.bulk.api.bulk_is_live``
+is wrong with them). ``BulkGate.is_live`` caches ``producer.protocol.bulk.is_live``
 per bulk for ``ttl_s``, so a worker admitting thousands of a bulk's jobs asks
 Redis about once a second, not once a job.
 
@@ -20,32 +20,19 @@ from collections.abc import Iterable
 import redis
 
 from pagestream.producer.protocol import keys
-from pagestream.producer.bulk.api import BulkStatus, bulk_is_live
+from pagestream.producer.protocol.bulk import SKIP_LUA, is_live
 
 log = logging.getLogger(__name__)
 
 #: how long one answer of ``bulk_is_live`` is trusted
 LIVENESS_TTL_S = 1.5
 
-# KEYS: bulk hash, done set. ARGV: custom_ids. Counted only while the bulk is cancelling:
-# a final bulk has dropped its done set, and SADD would bring it back without a TTL.
-_SKIP_LUA = f"""
-if redis.call('HGET', KEYS[1], 'status') ~= '{BulkStatus.CANCELLING.value}' then return 0 end
-local n = 0
-for i = 1, #ARGV do
-  n = n + redis.call('SADD', KEYS[2], ARGV[i])
-end
-if n > 0 then redis.call('HINCRBY', KEYS[1], 'skipped', n) end
-return n
-"""
-
-
 class BulkGate:
     def __init__(self, client: redis.Redis, ttl_s: float = LIVENESS_TTL_S) -> None:
         self.redis = client
         self.ttl_s = ttl_s
         self._cache: dict[str, tuple[bool, float]] = {}  # bulk_id -> (live, checked at, monotonic)
-        self._skip = client.register_script(_SKIP_LUA)
+        self._skip = client.register_script(SKIP_LUA)
         self.num_checks = 0  # round trips to Redis (the cache's misses)
 
     def is_live(self, bulk_id: str) -> bool:
@@ -56,7 +43,7 @@ class BulkGate:
             return hit[0]
         self.num_checks += 1
         try:
-            live = bulk_is_live(self.redis, bulk_id)
+            live = is_live(self.redis, keys.bulk_hash(bulk_id))
         except redis.RedisError as exc:
             log.warning("could not check bulk %s (%s); running its jobs", bulk_id, exc)
             return True

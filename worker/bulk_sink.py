@@ -26,25 +26,16 @@ from typing import Any
 
 import redis
 
+from pagestream.producer.protocol import job as job_hash
 from pagestream.producer.protocol import keys
-from pagestream.producer.bulk.api import BulkSpec, BulkStatus
 from pagestream.producer.bulk.parts import PartEntry, line_of_job_id, result_entry
-from pagestream.producer.bulk.storage import Storage, StorageError, StorageSettings, open_storage
+from pagestream.producer.bulk.storage import StorageError, StorageSettings
+from pagestream.producer.bulk.stores import Storage, open_storage, storage_settings_for
+from pagestream.producer.protocol.bulk import COUNT_LUA, BulkField, BulkSpec, BulkStatus
+from pagestream.producer.protocol.redis_conn import Backoff
+from pagestream.producer.protocol.wire import as_str
 
 log = logging.getLogger(__name__)
-
-# KEYS: bulk hash, done set. ARGV: custom_id, ok(1/0), custom_id, ok, ...
-_COUNT_LUA = """
-local completed, failed = 0, 0
-for i = 1, #ARGV, 2 do
-  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
-    if ARGV[i + 1] == '1' then completed = completed + 1 else failed = failed + 1 end
-  end
-end
-if completed > 0 then redis.call('HINCRBY', KEYS[1], 'completed', completed) end
-if failed > 0 then redis.call('HINCRBY', KEYS[1], 'failed', failed) end
-return {completed, failed}
-"""
 
 #: consecutive permanent write failures before the sink tells the orchestrator to fail the bulk
 PERMANENT_FAILURES_TO_REPORT = 3
@@ -58,12 +49,8 @@ class _Buffer:
     items: list[tuple[str, str, PartEntry]] = field(default_factory=list)
     jobs: list[tuple[str, int]] = field(default_factory=list)  # (job_id, result_ttl_s) per item
     retry_at: float = 0.0
-    failures: int = 0
+    backoff: Backoff = field(default_factory=lambda: Backoff(base=1.0, cap=_MAX_BACKOFF_S))  # 1, 2, 4 .. 30 s
     permanent_failures: int = 0
-
-
-def _text(v: Any) -> Any:
-    return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
 class BulkSink:
@@ -79,7 +66,7 @@ class BulkSink:
         endpoint = getattr(settings, "s3_endpoint_url", None)
         self.storage_settings = StorageSettings(**({"s3_endpoint_url": endpoint} if endpoint else {}))
         self._specs: dict[str, BulkSpec] = {}
-        self._count = redis_client.register_script(_COUNT_LUA)
+        self._count = redis_client.register_script(COUNT_LUA)
         self._buffers: dict[str, _Buffer] = {}
         self._storages: dict[str, Storage] = {}
         self._to_ack: list[tuple[str, str]] = []
@@ -140,13 +127,13 @@ class BulkSink:
         # parts go where the orchestrator reads them, whatever this worker's environment says.
         spec = self._specs.get(bulk_id)
         if spec is None:
-            raw = self.redis.hget(keys.bulk_hash(bulk_id), "spec")
+            raw = self.redis.hget(keys.bulk_hash(bulk_id), BulkField.SPEC)
             if raw is not None:
-                spec = self._specs[bulk_id] = BulkSpec.model_validate_json(_text(raw))
+                spec = self._specs[bulk_id] = BulkSpec.model_validate_json(as_str(raw))
             elif uri is None:
                 raise StorageError(f"bulk {bulk_id} has no output URI", permanent=True)
         uri = uri or spec.output
-        settings = spec.storage_settings(self.storage_settings) if spec else self.storage_settings
+        settings = storage_settings_for(spec, self.storage_settings) if spec else self.storage_settings
         st = self._storages.get(uri)  # an output URI belongs to one bulk, so to one S3 location
         if st is None:
             st = self._storages[uri] = open_storage(uri, settings)
@@ -155,8 +142,8 @@ class BulkSink:
     def _flush(self, bulk_id: str, buf: _Buffer) -> list[tuple[str, str]]:
         key = keys.bulk_hash(bulk_id)
         entries = [(lane, entry_id) for lane, entry_id, _ in buf.items]
-        status = self.redis.hget(key, "status")
-        if status is None or BulkStatus(_text(status)).is_final:
+        status = self.redis.hget(key, BulkField.STATUS)
+        if status is None or BulkStatus(as_str(status)).is_final:
             # The bulk is over (or gone): nobody will compact this line, so just let the job go.
             del self._buffers[bulk_id]
             self._specs.pop(bulk_id, None)
@@ -168,17 +155,16 @@ class BulkSink:
             self._storage(bulk_id, buf.uri).put_bytes(name, data)
         except (StorageError, OSError) as exc:
             permanent = getattr(exc, "permanent", False)
-            buf.failures += 1
             buf.permanent_failures = buf.permanent_failures + 1 if permanent else 0
-            buf.retry_at = time.monotonic() + min(0.5 * 2 ** buf.failures, _MAX_BACKOFF_S)
-            log.warning("bulk %s: part write failed (%d in a row), will retry: %s", bulk_id, buf.failures, exc)
-            fields = {"sink_error": f"{self.consumer}: {exc}"}
+            buf.retry_at = time.monotonic() + buf.backoff.next()
+            log.warning("bulk %s: part write failed (%d in a row), will retry: %s", bulk_id, buf.backoff.failures, exc)
+            fields = {BulkField.SINK_ERROR: f"{self.consumer}: {exc}"}
             if buf.permanent_failures >= PERMANENT_FAILURES_TO_REPORT:
-                fields["sink_error_permanent"] = "1"
+                fields[BulkField.SINK_ERROR_PERMANENT] = "1"
             self.redis.hset(key, mapping=fields)
             return []
-        if buf.failures:  # this worker's last error is history now
-            self.redis.hdel(key, "sink_error", "sink_error_permanent")
+        if buf.backoff.failures:  # this worker's last error is history now
+            self.redis.hdel(key, BulkField.SINK_ERROR, BulkField.SINK_ERROR_PERMANENT)
         args: list[str] = []
         for _, _, entry in buf.items:
             args += [entry.custom_id or "", "1" if entry.ok else "0"]
@@ -187,7 +173,7 @@ class BulkSink:
         pipe = self.redis.pipeline(transaction=False)
         for (job_id, ttl), (_, _, entry) in zip(buf.jobs, buf.items):
             jh = keys.job_hash(job_id)
-            pipe.hset(jh, mapping={"status": "completed" if entry.ok else "failed", "bulk_id": bulk_id})
+            job_hash.queue_bulk_done(pipe, jh, entry.ok, bulk_id)
             pipe.expire(jh, ttl)
         pipe.execute()
         del self._buffers[bulk_id]

@@ -23,6 +23,7 @@ from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.lanes import resolve_layout
 from pagestream.producer.protocol.schema import DeadLetter
 from pagestream.worker.settings import WorkerSettings
+from pagestream.producer.protocol.wire import as_str
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,10 +93,6 @@ class Delivery:
     entry_id: str
     fields: dict[bytes, bytes] | None  # None: the entry was deleted from the stream
     deliveries: int = 1
-
-
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 def entry_size(fields: dict[bytes, bytes] | None) -> int:
@@ -213,7 +210,7 @@ class Consumer:
         )
         lane_of = {self.stream(lane): lane for lane in self.lanes}
         for stream, entries in resp or []:
-            out.extend(Delivery(lane_of[_s(stream)], _s(i), f, 1) for i, f in entries)
+            out.extend(Delivery(lane_of[as_str(stream)], as_str(i), f, 1) for i, f in entries)
         if out:
             # The entry that woke us is usually the first of a burst (submit_many, a bulk feeder):
             # take what else is there now, so the engine starts on the burst rather than on one job.
@@ -226,7 +223,7 @@ class Consumer:
             n = max_count - len(out)
             if n <= 0:
                 break
-            out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
+            out.extend(Delivery(lane, as_str(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
 
     def _read_sharded(self, max_count: int, block_ms: int | None) -> list[Delivery]:
         """``read`` on a cluster, where a lane is many streams in different slots.
@@ -261,7 +258,7 @@ class Consumer:
             for entry_id, fields in entries:
                 self._bell_last = entry_id
                 if fields.get(b"model", b"") == mine:
-                    rung.update(_s(k) for k in fields.get(b"lanes", b"").split(b",") if k)
+                    rung.update(as_str(k) for k in fields.get(b"lanes", b"").split(b",") if k)
         return rung & set(self.lanes)
 
     def _scan(self, max_count: int, only: set[str] | None = None) -> list[Delivery]:
@@ -272,7 +269,7 @@ class Consumer:
             if n <= 0:
                 break
             if only is None or lane in only:
-                out.extend(Delivery(lane, _s(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
+                out.extend(Delivery(lane, as_str(i), f, 1) for i, f in self._pull(lane, "read", n, ">"))
         if len(out) >= max_count:
             self._backlog = True  # stopped early: more may be waiting
         elif only is None:
@@ -303,7 +300,7 @@ class Consumer:
         counts = []
         for rows in pipe.execute():
             counts.append(int(rows[0]["times_delivered"]) if rows else 1)
-        return [Delivery(lane, _s(i), f or None, c) for (i, f), c in zip(entries, counts)]
+        return [Delivery(lane, as_str(i), f or None, c) for (i, f), c in zip(entries, counts)]
 
     # -- leases, acks, dead letters ---------------------------------------------------------
 
@@ -323,7 +320,7 @@ class Consumer:
                     self.ensure_groups()
                     lost.extend((lane, eid) for eid in ids)
                     break
-                lost.extend((lane, _s(entry_id)) for entry_id in found)
+                lost.extend((lane, as_str(entry_id)) for entry_id in found)
         return lost
 
     def release(self, deliveries: list[Delivery], count_delivery: bool = False) -> None:
@@ -410,7 +407,7 @@ class Consumer:
             except redis.ResponseError:
                 continue  # no stream or group yet
             for c in consumers:
-                name = _s(c["name"])
+                name = as_str(c["name"])
                 if int(c["pending"]) or not which(name, int(c["idle"])):
                     continue
                 # DELCONSUMER drops what the consumer holds: the script checks, atomically, that it holds nothing
@@ -435,11 +432,11 @@ class Consumer:
                 continue
             floor: tuple[int, int] | None = None
             for g in groups:
-                name = _s(g["name"])
+                name = as_str(g["name"])
                 summary = self.redis.xpending(stream, name)
-                candidates = [_next_id(_s(g["last-delivered-id"]))]
+                candidates = [_next_id(as_str(g["last-delivered-id"]))]
                 if summary["pending"]:
-                    candidates.append(_parse_id(_s(summary["min"])))
+                    candidates.append(_parse_id(as_str(summary["min"])))
                 low = min(candidates)
                 floor = low if floor is None else min(floor, low)
             if floor is not None and floor > (0, 0):

@@ -19,10 +19,13 @@ from typing import Any
 import redis
 
 from pagestream.engine.errors import EngineDeadError
+from pagestream.producer.protocol import job as job_hash
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.redis_conn import Backoff
 from pagestream.producer.protocol.schema import JobRequest, JobStatus
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
+from pagestream.worker.engine_api import Engine
 from pagestream.worker.jobs import ActiveJob, InvalidJob, claim_entries, load_history, parse_delivery
 from pagestream.worker.loop_state import Entry, LoopState
 from pagestream.worker.metrics import WorkerMetrics
@@ -37,14 +40,11 @@ FULL_PULL_INTERVAL_S = 0.1
 #: entries checked and admitted together when a read returns a burst
 ACCEPT_CHUNK = 32
 
-_FINAL = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED)
-
-
 class Intake:
     def __init__(
         self,
         client: redis.Redis,
-        engine: Any,
+        engine: Engine,
         settings: WorkerSettings,
         consumer: Consumer,
         state: LoopState,
@@ -68,7 +68,7 @@ class Intake:
         self._next_reclaim = 0.0
         self._pull_paused_until = 0.0
         self._last_busy_pull = 0.0
-        self._pull_backoff = 0.1
+        self._pull_backoff = Backoff(base=0.1, cap=10.0)
 
     def capacity(self) -> int:
         """How many more entries to read now: never more than admission limit + prefetch held,
@@ -105,11 +105,11 @@ class Intake:
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if not busy:
                 raise  # nothing to step: the run loop backs off
-            log.warning("redis unavailable while pulling (%s); stepping on, next pull in %.1fs", exc, self._pull_backoff)
-            self._pull_paused_until = time.monotonic() + self._pull_backoff
-            self._pull_backoff = min(self._pull_backoff * 2, 10.0)
+            delay = self._pull_backoff.next()
+            log.warning("redis unavailable while pulling (%s); stepping on, next pull in %.1fs", exc, delay)
+            self._pull_paused_until = time.monotonic() + delay
             return 0
-        self._pull_backoff = 0.1
+        self._pull_backoff.reset()
         return n
 
     def _pull(self, block: bool) -> int:
@@ -193,17 +193,17 @@ class Intake:
         else:
             pipe = self.redis.pipeline(transaction=False)
             for a in jobs:
-                pipe.hmget(keys.job_hash(a.job_id), ["status", "cancel_requested"])
+                job_hash.queue_intake_read(pipe, keys.job_hash(a.job_id))
             states = [(status, cancel_requested, True) for status, cancel_requested in pipe.execute()]
         resume_from: list[ActiveJob] = []
         now = time.time()
         for a, (status, cancel_requested, own_entry) in zip(jobs, states):
-            st = status.decode() if status else None
+            st = job_hash.status_of(status)
             a.has_job_hash = st is not None
             if not own_entry:  # a second entry of a job whose submit was retried on a cluster: the other one runs
                 ops.append(Ack(a.delivery.lane, [a.delivery.entry_id]))
                 continue
-            if not a.is_bulk and st in _FINAL:
+            if not a.is_bulk and st is not None and st.is_final:
                 ops.append(Ack(a.delivery.lane, [a.delivery.entry_id]))
                 continue
             if not a.is_bulk and cancel_requested:

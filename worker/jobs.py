@@ -9,6 +9,7 @@ import redis
 from pydantic import ValidationError
 
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.job import WORKER_CLAIM_LUA
 from pagestream.producer.protocol.redis_conn import queue_script
 from pagestream.producer.protocol.schema import JOB_ID_PATTERN, JobRequest, OutputTarget, format_validation_error
 from pagestream.producer.protocol.wire import JOB_FIELD, EventDeduper, UntrustedJSONError, decode_out_entry, loads_untrusted
@@ -107,28 +108,12 @@ def load_history(client: redis.Redis, jobs: list[ActiveJob]) -> None:
             a.samples.clear()
 
 
-# KEYS: job hash. ARGV: entry id, lane key. A job's state for intake, and whether this entry is
-# the job's one entry: the first entry named in the hash wins, by the producer's settle step or
-# here, whichever comes first (producer.client.core, RESERVE_LUA). Returns {status, cancel_requested, won}.
-_CLAIM_LUA = """
-local st, cr, e, l = unpack(redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'entry_id', 'entry_lane'))
-local won = 1
-if st then
-  if not e then
-    redis.call('HSET', KEYS[1], 'entry_id', ARGV[1], 'entry_lane', ARGV[2])
-  elseif e ~= ARGV[1] or (l or '') ~= ARGV[2] then
-    won = 0
-  end
-end
-return {st or '', cr or '', won}
-"""
-
-
 def claim_entries(client: redis.RedisCluster, jobs: list[ActiveJob]) -> list[tuple[bytes | None, bytes | None, bool]]:
-    """(status, cancel_requested, this entry is the job's own) per job, in one pipelined round trip (cluster only)."""
+    """(status, cancel_requested, this entry is the job's own) per job, in one pipelined round trip (cluster only):
+    the first entry named in the job hash wins, by the producer's settle step or here (producer.protocol.job)."""
     pipe = client.pipeline(transaction=False)
     for a in jobs:
-        queue_script(pipe, "EVAL", _CLAIM_LUA, [keys.job_hash(a.job_id)], [a.delivery.entry_id, a.delivery.lane])
+        queue_script(pipe, "EVAL", WORKER_CLAIM_LUA, [keys.job_hash(a.job_id)], [a.delivery.entry_id, a.delivery.lane])
     return [(st or None, cr or None, bool(int(won))) for st, cr, won in pipe.execute()]
 
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import redis
 
+from pagestream.producer.protocol import job as job_hash
 from pagestream.producer.protocol import keys
-from pagestream.producer.protocol.redis_conn import is_cluster
+from pagestream.producer.protocol.redis_conn import Backoff, is_cluster
 from pagestream.producer.protocol.schema import JobResult, JobStatus
 from pagestream.producer.protocol.wire import end_fields, token_event_fields
 from pagestream.worker.consumer import Consumer, Delivery
@@ -158,7 +159,7 @@ class Publisher:
 
     def _run(self) -> None:
         last_flush = 0.0
-        backoff = 0.05
+        backoff = Backoff(base=0.05, cap=5.0)
         batch: list[object] = []
         while True:
             with self._cond:
@@ -185,7 +186,7 @@ class Publisher:
             try:
                 acked = self._write(batch)
                 batch = []
-                backoff = 0.05
+                backoff.reset()
                 last_flush = time.monotonic()
                 self.num_flushes += 1
                 if acked and self.on_acked:
@@ -193,9 +194,9 @@ class Publisher:
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 # Keep the batch and retry it unchanged: a replayed event is dropped by subscribers by its index.
                 self.last_error = exc
-                log.warning("publisher: redis unavailable (%s), retrying in %.2fs", exc, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                delay = backoff.next()
+                log.warning("publisher: redis unavailable (%s), retrying in %.2fs", exc, delay)
+                time.sleep(delay)
             except Exception as exc:  # a bug must not cost the whole batch: write its items one by one
                 self.last_error = exc
                 log.exception("publisher: a batch of %d writes failed; writing them one at a time", len(batch))
@@ -241,7 +242,7 @@ class Publisher:
         for op in b.ops:
             if isinstance(op, Start):
                 jh = keys.job_hash(op.job_id)
-                pipe.hset(jh, mapping={"status": "running", "worker": op.worker, "started_at": repr(op.started_at), "deliveries": op.deliveries})
+                job_hash.queue_start(pipe, jh, op.worker, op.started_at, op.deliveries)
                 # a job that never finishes (every worker dies, nobody reclaims) does not leak its keys
                 pipe.expire(jh, _ttl(op.result_ttl_s))
                 pipe.expire(keys.out_stream(op.job_id), _ttl(op.result_ttl_s))  # a resumed job's stream exists already
@@ -250,7 +251,7 @@ class Publisher:
                 ttl = _ttl(op.result_ttl_s)
                 if op.write_result:
                     jh, out = keys.job_hash(r.job_id), keys.out_stream(r.job_id)
-                    pipe.hset(jh, mapping={"status": r.status.value, "result": result_json, "finished_at": repr(r.finished_at)})
+                    job_hash.queue_final(pipe, jh, r.status, result_json, r.finished_at)
                     pipe.xadd(out, end_fields(r.status.value))
                     pipe.expire(jh, ttl)
                     pipe.expire(out, ttl)

@@ -12,10 +12,7 @@ import redis
 
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.lanes import resolve_layout
-
-
-def _s(v: Any) -> Any:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+from pagestream.producer.protocol.wire import as_str
 
 
 def _lane_info(client: redis.Redis, streams: list[str], group: str) -> dict[str, Any]:
@@ -25,13 +22,13 @@ def _lane_info(client: redis.Redis, streams: list[str], group: str) -> dict[str,
         info["length"] += client.xlen(stream)
         try:
             for g in client.xinfo_groups(stream):
-                if _s(g["name"]) == group:
+                if as_str(g["name"], "replace") == group:
                     info["pending"] += int(g["pending"])
                     lag = g.get("lag")
                     if lag is not None:
                         info["lag"] = (info["lag"] or 0) + int(lag)
             for c in client.xinfo_consumers(stream, group):
-                name = _s(c["name"])
+                name = as_str(c["name"], "replace")
                 mine = consumers.setdefault(name, {"name": name, "pending": 0, "idle_ms": int(c["idle"])})
                 mine["pending"] += int(c["pending"])
                 mine["idle_ms"] = min(mine["idle_ms"], int(c["idle"]))
@@ -56,8 +53,8 @@ def collect_stats(client: redis.Redis, group: str = keys.DEFAULT_GROUP, window_s
         lanes[lane] = info
     workers = {}
     for key in client.scan_iter(match=keys.worker_hash("*"), count=1000):
-        name = _s(key)[len(keys.worker_hash("")):]
-        workers[name] = {_s(k): _s(v) for k, v in client.hgetall(key).items()}
+        name = as_str(key, "replace")[len(keys.worker_hash("")):]
+        workers[name] = {as_str(k, "replace"): as_str(v, "replace") for k, v in client.hgetall(key).items()}
     return {"lanes": lanes, "dead_letters": client.xlen(keys.dead_letter_stream()), "workers": workers}
 
 

@@ -19,10 +19,12 @@ from typing import Any
 import redis
 
 from pagestream.engine.errors import EngineDeadError
+from pagestream.producer.protocol.redis_conn import Backoff
 from pagestream.producer.protocol.schema import JobStatus
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
 from pagestream.worker.control import ControlThread
+from pagestream.worker.engine_api import Engine
 from pagestream.worker.intake import Intake
 from pagestream.worker.jobs import ActiveJob
 from pagestream.worker.loop_state import LoopState
@@ -39,7 +41,7 @@ DEADLINE_SCAN_S = 0.05
 
 
 class Worker:
-    def __init__(self, client: redis.Redis, engine: Any, settings: WorkerSettings, sink: Any = None,
+    def __init__(self, client: redis.Redis, engine: Engine, settings: WorkerSettings, sink: Any = None,
                  metrics: WorkerMetrics | None = None) -> None:
         self.redis, self.engine, self.settings, self.name = client, engine, settings, settings.consumer
         if settings.max_num_seqs is None:  # read as many jobs as the engine runs at once
@@ -51,7 +53,7 @@ class Worker:
         self.bulk = BulkJobs(client, settings, sink)
         self._active: dict[str, ActiveJob] = {}  # job_id -> job in the engine
         self.results = Results(client, settings, self.consumer, self.bulk, self.state, self.metrics)
-        self.results.token_texts.tokenizer = getattr(engine, "tokenizer", None)  # logprobs name their tokens
+        self.results.token_texts.tokenizer = engine.tokenizer  # logprobs name their tokens
         self.intake = Intake(client, engine, settings, self.consumer, self.state, self.results, self.bulk, self.metrics, self._active, self.publisher.put)
         self._stop_requested = 0  # 1 warm, 2 cold
         self._control: ControlThread | None = None
@@ -86,7 +88,7 @@ class Worker:
         first_run = self._control is None
         self._start_threads()
         steps_at_start = self.num_steps
-        backoff = 0.1
+        backoff = Backoff(base=0.1, cap=10.0)
         paused = False
         try:
             if first_run:
@@ -97,26 +99,24 @@ class Worker:
                     return self.num_steps - steps_at_start
                 try:
                     did_work = self._iteration(block=not burst)
-                    backoff = 0.1
-                except EngineDeadError:
-                    raise  # nothing can run here any more: stop, and let the teardown hand every job back
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
-                    self._sleep(backoff)
-                    backoff = min(backoff * 2, 10.0)
-                    continue
-                except EngineDeadError:
-                    # No later step can succeed (a tensor-parallel rank died): exit, and let other
-                    # workers reclaim the jobs, rather than fail every job through max_deliveries here.
-                    log.critical("the engine died; stopping this worker so its jobs go to others", exc_info=True)
+                    backoff.reset()
+                except EngineDeadError as exc:
+                    # No later step can succeed (a tensor-parallel rank died): exit, and let the teardown
+                    # hand every job back for other workers to reclaim, rather than fail every job through
+                    # max_deliveries here.
+                    log.critical("the engine died (%s); stopping this worker so its jobs go to others", exc)
                     raise
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    delay = backoff.next()
+                    log.warning("redis unavailable (%s); retrying in %.1fs", exc, delay)
+                    self._sleep(delay)
+                    continue
                 except Exception:
                     # Not a job's fault (jobs fail through results): hand in-flight work back
                     # so it is redelivered (and dead-lettered after max_deliveries), keep serving.
                     log.exception("worker iteration failed; releasing %d in-flight jobs", len(self._active))
                     self._abort_and_release(count_delivery=True)
-                    self._sleep(backoff)
-                    backoff = min(backoff * 2, 10.0)
+                    self._sleep(backoff.next())
                     continue
                 if not did_work and not self._busy():
                     if self.publisher.pending():

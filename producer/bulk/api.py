@@ -18,17 +18,17 @@ import json
 import os
 import time
 import uuid
-from enum import Enum
 from typing import Any
 
 import redis
-from pydantic import BaseModel, Field
 
 from pagestream.producer.protocol import keys
 from pagestream.producer.bulk.rq_queue import BULK_QUEUE, RUN_BULK_FUNC, bulk_queue, fetch_job_status, rq_connection
-from pagestream.producer.bulk.storage import AddressingStyle, StorageSettings
 from pagestream.producer.protocol.redis_conn import connect
+from pagestream.producer.protocol.bulk import AddressingStyle, BulkField, BulkSpec, BulkStatus, is_live, request_counts  # noqa: F401 (re-exported)
+from pagestream.producer.protocol.bulk import decode as decode_bulk
 from pagestream.producer.protocol.schema import Lane
+from pagestream.producer.protocol.wire import as_str
 
 #: orchestrator lease: a dead orchestrator's bulk is picked up again this long after its last heartbeat
 LEASE_S = float(os.environ.get("PAGESTREAM_BULK_LEASE_S", "15"))
@@ -36,58 +36,8 @@ LEASE_S = float(os.environ.get("PAGESTREAM_BULK_LEASE_S", "15"))
 MAX_RESTARTS = 20
 
 
-class BulkStatus(str, Enum):
-    """OpenAI Batch statuses."""
-
-    VALIDATING = "validating"
-    IN_PROGRESS = "in_progress"
-    FINALIZING = "finalizing"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLING = "cancelling"
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
-
-    @property
-    def is_final(self) -> bool:
-        return self in (BulkStatus.COMPLETED, BulkStatus.FAILED, BulkStatus.CANCELLED, BulkStatus.EXPIRED)
-
-
-class BulkSpec(BaseModel):
-    """What a bulk was asked to do; stored as JSON in the status hash's ``spec`` field."""
-
-    # becomes part of key names, a hash tag and every job id: no braces, no whitespace
-    bulk_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,63}$")
-    input: str
-    output: str
-    model: str | None = None
-    lane: Lane = Lane.LOW
-    shard_lines: int = Field(10_000, ge=1)
-    max_outstanding: int = Field(2_048, ge=1)
-    completion_window_s: float | None = Field(None, gt=0)
-    # where the bulk's S3 objects are, for every process that touches them (never credentials)
-    s3_endpoint_url: str | None = None
-    s3_region: str | None = None
-    s3_addressing_style: AddressingStyle | None = None
-    job_result_ttl_s: int = Field(3_600, ge=1)
-    created_at: float = Field(default_factory=time.time)
-    # set by the gateway's /v1/batches: what OpenAI's Batch object reports (producer.bulk.batches)
-    endpoint: str | None = None  # lines with another url become error lines
-    input_file_id: str | None = None
-    metadata: dict[str, str] | None = None
-
-    def storage_settings(self, base: StorageSettings | None = None) -> StorageSettings:
-        """``base`` (default: this process's environment) with the bulk's own S3 location on top."""
-        mine = {k: getattr(self, k) for k in ("s3_endpoint_url", "s3_region", "s3_addressing_style") if getattr(self, k)}
-        return (base or StorageSettings()).model_copy(update=mine)
-
-
 def new_bulk_id() -> str:
     return f"batch_{uuid.uuid4().hex[:24]}"
-
-
-def _text(v: Any) -> Any:
-    return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
 def enqueue_run(conn: redis.Redis, bulk_id: str, *, job_id: str | None = None, queue_name: str = BULK_QUEUE) -> str:
@@ -106,7 +56,7 @@ def enqueue_run(conn: redis.Redis, bulk_id: str, *, job_id: str | None = None, q
         meta={"bulk_id": bulk_id},
         description=f"pagestream bulk {bulk_id}",
     )
-    conn.hset(keys.bulk_hash(bulk_id), "rq_job_id", job.id)
+    conn.hset(keys.bulk_hash(bulk_id), BulkField.RQ_JOB_ID, job.id)
     return job.id
 
 
@@ -142,11 +92,11 @@ def create_bulk(
         s3_region=s3_region, s3_addressing_style=s3_addressing_style,
     )
     key = keys.bulk_hash(spec.bulk_id)
-    if not connection.hsetnx(key, "spec", spec.model_dump_json()):
+    if not connection.hsetnx(key, BulkField.SPEC, spec.model_dump_json()):
         raise ValueError(f"bulk {spec.bulk_id} already exists")
     pipe = connection.pipeline()
-    pipe.hset(key, mapping={"status": BulkStatus.VALIDATING.value, "created_at": repr(spec.created_at),
-                            "line": 0, "offset": 0, "submitted": 0, "invalid": 0, "completed": 0, "failed": 0})
+    pipe.hset(key, mapping={BulkField.STATUS: BulkStatus.VALIDATING.value, BulkField.CREATED_AT: repr(spec.created_at),
+                            BulkField.LINE: 0, BulkField.OFFSET: 0, BulkField.SUBMITTED: 0, BulkField.INVALID: 0, BulkField.COMPLETED: 0, BulkField.FAILED: 0})
     pipe.zadd(keys.bulk_index(), {spec.bulk_id: spec.created_at})
     pipe.execute()
     return spec.bulk_id
@@ -180,50 +130,37 @@ def submit_bulk(
 
 
 def load_spec(conn: redis.Redis, bulk_id: str) -> BulkSpec:
-    raw = conn.hget(keys.bulk_hash(bulk_id), "spec")
+    raw = conn.hget(keys.bulk_hash(bulk_id), BulkField.SPEC)
     if raw is None:
         raise KeyError(f"no bulk {bulk_id!r}")
-    return BulkSpec.model_validate_json(_text(raw))
-
-
-def request_counts(state: dict[str, Any]) -> dict[str, int]:
-    """OpenAI's ``request_counts`` from a status hash: input lines, done OK, failed (bad lines included)."""
-    if state.get("final_counts"):
-        return json.loads(state["final_counts"])
-    invalid = int(state.get("invalid", 0) or 0)
-    submitted = int(state.get("submitted", 0) or 0)
-    return {
-        "total": submitted + invalid,
-        "completed": int(state.get("completed", 0) or 0),
-        "failed": int(state.get("failed", 0) or 0) + invalid,
-    }
+    return BulkSpec.model_validate_json(as_str(raw))
 
 
 def get_bulk(conn: redis.Redis, bulk_id: str) -> dict[str, Any]:
     """Status of a bulk as a JSON-able dict (OpenAI batch-like). Raises ``KeyError`` if unknown."""
-    state = {_text(k): _text(v) for k, v in conn.hgetall(keys.bulk_hash(bulk_id)).items()}
-    if not state or "spec" not in state:
+    state = decode_bulk(conn.hgetall(keys.bulk_hash(bulk_id)))
+    if not state or BulkField.SPEC not in state:
         raise KeyError(f"no bulk {bulk_id!r}")
-    spec = BulkSpec.model_validate_json(state["spec"])
+    spec = BulkSpec.model_validate_json(state[BulkField.SPEC])
     out: dict[str, Any] = {
         "id": bulk_id,
         "object": "batch",
-        "status": state.get("status"),
+        "status": state.get(BulkField.STATUS),
         "input": spec.input,
         "output": spec.output,
         "model": spec.model,
-        "created_at": float(state["created_at"]) if state.get("created_at") else None,
-        "finished_at": float(state["finished_at"]) if state.get("finished_at") else None,
+        "created_at": float(state[BulkField.CREATED_AT]) if state.get(BulkField.CREATED_AT) else None,
+        "finished_at": float(state[BulkField.FINISHED_AT]) if state.get(BulkField.FINISHED_AT) else None,
         "request_counts": request_counts(state),
-        "lines_read": int(state.get("line", 0) or 0),
-        "input_done": state.get("input_done") == "1",
-        "rq_job_id": state.get("rq_job_id"),
-        "error": state.get("error"),
-        "manifest": state.get("manifest"),
+        "lines_read": int(state.get(BulkField.LINE, 0) or 0),
+        "input_done": state.get(BulkField.INPUT_DONE) == "1",
+        "rq_job_id": state.get(BulkField.RQ_JOB_ID),
+        "error": state.get(BulkField.ERROR),
+        "manifest": state.get(BulkField.MANIFEST),
     }
     # a part write that failed once and then went through is history once the bulk completed
-    if state.get("sink_error") and out["status"] != BulkStatus.COMPLETED.value:
-        out["sink_error"] = state["sink_error"]
+    if state.get(BulkField.SINK_ERROR) and out["status"] != BulkStatus.COMPLETED.value:
+        out["sink_error"] = state[BulkField.SINK_ERROR]
     return out
 
 
@@ -234,11 +171,11 @@ def cancel_bulk(conn: redis.Redis, bulk_id: str, pipeline: redis.client.Pipeline
     key = keys.bulk_hash(bulk_id)
     if not conn.exists(key):
         raise KeyError(f"no bulk {bulk_id!r}")
-    status = BulkStatus(_text(conn.hget(key, "status")))
+    status = BulkStatus(as_str(conn.hget(key, BulkField.STATUS)))
     if status.is_final:
         return status.value
     pipe = pipeline if pipeline is not None else conn.pipeline()
-    pipe.hset(key, mapping={"cancel_requested": repr(time.time()), "status": BulkStatus.CANCELLING.value})
+    pipe.hset(key, mapping={BulkField.CANCEL_REQUESTED: repr(time.time()), BulkField.STATUS: BulkStatus.CANCELLING.value})
     if pipeline is None:
         pipe.execute()
     return BulkStatus.CANCELLING.value
@@ -246,15 +183,11 @@ def cancel_bulk(conn: redis.Redis, bulk_id: str, pipeline: redis.client.Pipeline
 
 def bulk_is_live(conn: redis.Redis, bulk_id: str) -> bool:
     """False once a bulk is final or cancelling: a worker may skip (or drop results of) its queued jobs."""
-    status = conn.hget(keys.bulk_hash(bulk_id), "status")
-    if status is None:
-        return False
-    st = BulkStatus(_text(status))
-    return not (st.is_final or st == BulkStatus.CANCELLING)
+    return is_live(conn, keys.bulk_hash(bulk_id))
 
 
 def list_bulks(conn: redis.Redis, limit: int = 100) -> list[str]:
-    return [_text(x) for x in conn.zrevrange(keys.bulk_index(), 0, limit - 1)]
+    return [as_str(x) for x in conn.zrevrange(keys.bulk_index(), 0, limit - 1)]
 
 
 def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]:
@@ -268,23 +201,23 @@ def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]
     rescued = []
     for bulk_id in list_bulks(conn, limit=1000):
         key = keys.bulk_hash(bulk_id)
-        status, rq_job_id = conn.hmget(key, "status", "rq_job_id")
-        if status is None or BulkStatus(_text(status)).is_final:
+        status, rq_job_id = conn.hmget(key, BulkField.STATUS, BulkField.RQ_JOB_ID)
+        if status is None or BulkStatus(as_str(status)).is_final:
             continue
         if conn.exists(keys.bulk_lock(bulk_id)):
             continue  # an orchestrator holds the lease
         if rq_job_id:
-            st = fetch_job_status(conn, _text(rq_job_id))
+            st = fetch_job_status(conn, as_str(rq_job_id))
             if st in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
                 continue
             if st == JobStatus.STARTED and time.time() - _heartbeat_at(conn, bulk_id) < LEASE_S:
                 continue  # just started, has not taken the lease yet
         if not conn.set(keys.bulk_rescue_marker(bulk_id), "1", nx=True, ex=30):
             continue
-        n = conn.hincrby(key, "restarts", 1)
+        n = conn.hincrby(key, BulkField.RESTARTS, 1)
         if n > MAX_RESTARTS:
-            conn.hset(key, mapping={"status": BulkStatus.FAILED.value, "finished_at": repr(time.time()),
-                                    "error": f"orchestrator died or failed {n - 1} times; giving up"})
+            conn.hset(key, mapping={BulkField.STATUS: BulkStatus.FAILED.value, BulkField.FINISHED_AT: repr(time.time()),
+                                    BulkField.ERROR: f"orchestrator died or failed {n - 1} times; giving up"})
             continue
         enqueue_run(conn, bulk_id, job_id=f"{bulk_id}-r{n}", queue_name=queue_name)
         rescued.append(bulk_id)
@@ -292,7 +225,7 @@ def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]
 
 
 def _heartbeat_at(conn: redis.Redis, bulk_id: str) -> float:
-    return float(_text(conn.hget(keys.bulk_hash(bulk_id), "heartbeat_at") or 0))
+    return float(as_str(conn.hget(keys.bulk_hash(bulk_id), BulkField.HEARTBEAT_AT) or 0))
 
 
 def dumps_status(status: dict[str, Any]) -> str:

@@ -12,6 +12,11 @@ errors are ``producer.protocol.errors``' ``NotFound`` and ``RequestError``, whic
   is final, so any gateway can serve them.
 - ``batch_object`` is the OpenAI ``Batch`` of any bulk, also what
   ``pagestream bulk status --json`` prints.
+- Every file and batch has an owner (``producer.protocol.tenants``): calls that take a ``Tenant``
+  answer ``NotFound`` for another tenant's object, exactly as for one that does not exist, and list
+  from the tenant's own index (``keys.tenant_files_index`` / ``tenant_bulks_index``), a page at a
+  time, never a scan of everyone's. A batch's output and error files belong to the batch's tenant.
+- A deleted batch output file leaves a tombstone, so the batch's manifest cannot register it again.
 
 Calls here are blocking (redis-py, boto3); the gateway runs them in a thread.
 """
@@ -21,12 +26,13 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
 
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.bulk import BulkField
 from pagestream.producer.bulk.api import (
     BulkSpec,
     BulkStatus,
@@ -34,24 +40,24 @@ from pagestream.producer.bulk.api import (
     create_bulk,
     enqueue_run,
     get_bulk,
-    list_bulks,
     load_spec,
 )
 from pagestream.producer.bulk.finalize import MANIFEST
 from pagestream.producer.bulk.io import CHAT_URL, SUPPORTED_URLS
 from pagestream.producer.bulk.rq_queue import BULK_QUEUE
-from pagestream.producer.bulk.storage import Storage, StorageSettings, open_storage
+from pagestream.producer.bulk.storage import StorageSettings
+from pagestream.producer.bulk.stores import Storage, open_storage
 from pagestream.producer.protocol.errors import NotFound, RequestError
+from pagestream.producer.protocol.tenants import ANONYMOUS, OPEN, TENANT_FIELD, Tenant
+from pagestream.producer.protocol.wire import as_str
 
 FILE_PURPOSES = ("batch",)
 #: OpenAI offers one completion window; a batch not done by then ends ``expired`` with what is done
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 _OUTPUT_FILE = re.compile(r"^file-(batch_[A-Za-z0-9]+)-(output|errors)$")
 _DOWNLOAD_CHUNK_BYTES = 1024 * 1024
-
-
-def _text(v: Any) -> Any:
-    return v.decode("utf-8") if isinstance(v, bytes) else v
+#: ids read from an index per round trip while a page is filled
+_INDEX_CHUNK = 256
 
 
 def _storage_settings(spec: BulkSpec | None = None, settings: StorageSettings | None = None) -> StorageSettings:
@@ -76,15 +82,16 @@ class FileStore:
         self.settings = _storage_settings(None, settings)
         self.storage: Storage = open_storage(root_uri, self.settings)
 
-    def create(self, src_path: str, filename: str, purpose: str) -> dict[str, Any]:
-        """Store an upload (a local temp file) and return its ``FileObject``."""
+    def create(self, src_path: str, filename: str, purpose: str, tenant: str = ANONYMOUS) -> dict[str, Any]:
+        """Store an upload (a local temp file) owned by ``tenant`` and return its ``FileObject``."""
         if purpose not in FILE_PURPOSES:
             raise RequestError(f"purpose must be one of {list(FILE_PURPOSES)}, got {purpose!r}", param="purpose")
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         name = f"{file_id}.jsonl"
         info = self.storage.put_file_once(name, src_path)
         record = {"id": file_id, "object": "file", "bytes": info.size_bytes, "created_at": int(time.time()),
-                  "filename": filename, "purpose": purpose, "status": "processed", "uri": self.root_uri, "names": [name]}
+                  "filename": filename, "purpose": purpose, "status": "processed", "uri": self.root_uri, "names": [name],
+                  TENANT_FIELD: tenant}
         self._save(record)
         return public_file(record)
 
@@ -95,10 +102,13 @@ class FileStore:
         pipe = self.conn.pipeline()
         if not only_new:
             pipe.hset(key, "record", json.dumps(record))
-        pipe.zadd(keys.files_index(), {record["id"]: record["created_at"]})
+        score = {record["id"]: time.time()}  # finer than created_at (seconds): lists keep the order of creation
+        pipe.zadd(keys.files_index(), score)
+        pipe.zadd(keys.tenant_files_index(record.get(TENANT_FIELD) or ANONYMOUS), score)
         pipe.execute()
 
-    def record(self, file_id: str) -> dict[str, Any]:
+    def record(self, file_id: str, tenant: Tenant = OPEN) -> dict[str, Any]:
+        """The record of a file ``tenant`` may see; ``NotFound`` otherwise (missing, deleted or another's)."""
         raw = self.conn.hget(keys.file_hash(file_id), "record")
         if raw is None:
             m = _OUTPUT_FILE.match(file_id)
@@ -106,30 +116,31 @@ class FileStore:
                 raw = self.conn.hget(keys.file_hash(file_id), "record")
         if raw is None:
             raise NotFound("file", file_id, "file_id")
-        return json.loads(_text(raw))
+        rec = json.loads(as_str(raw))
+        if not tenant.owns(rec.get(TENANT_FIELD)):
+            raise NotFound("file", file_id, "file_id")
+        return rec
 
-    def get(self, file_id: str) -> dict[str, Any]:
-        return public_file(self.record(file_id))
+    def get(self, file_id: str, tenant: Tenant = OPEN) -> dict[str, Any]:
+        return public_file(self.record(file_id, tenant))
 
-    def list(self, purpose: str | None = None, limit: int = 10_000, after: str | None = None) -> dict[str, Any]:
-        ids = [_text(x) for x in self.conn.zrevrange(keys.files_index(), 0, -1)]
-        if after is not None:
-            ids = ids[ids.index(after) + 1:] if after in ids else []
-        data = []
-        for file_id in ids:
+    def list(self, purpose: str | None = None, limit: int = 10_000, after: str | None = None,
+             tenant: Tenant = OPEN) -> dict[str, Any]:
+        """One page of ``tenant``'s files, newest first (an admin: everyone's), from its index."""
+        index = keys.files_index() if tenant.admin else keys.tenant_files_index(tenant.name)
+
+        def load(file_id: str) -> dict[str, Any] | None:
             raw = self.conn.hget(keys.file_hash(file_id), "record")
             if raw is None:
-                continue  # deleted meanwhile
-            rec = json.loads(_text(raw))
-            if purpose is None or rec["purpose"] == purpose:
-                data.append(public_file(rec))
-            if len(data) > limit:
-                break
-        return _page(data, limit)
+                return None  # deleted meanwhile
+            rec = json.loads(as_str(raw))
+            return public_file(rec) if purpose is None or rec["purpose"] == purpose else None
 
-    def content(self, file_id: str) -> Iterator[bytes]:
+        return _index_page(self.conn, index, after, limit, load)
+
+    def content(self, file_id: str, tenant: Tenant = OPEN) -> Iterator[bytes]:
         """The file's bytes in chunks (a batch output: its shards one after another)."""
-        rec = self.record(file_id)
+        rec = self.record(file_id, tenant)
         storage = self._storage_of(rec)
         buf = bytearray()
         for name in rec["names"]:
@@ -141,12 +152,15 @@ class FileStore:
         if buf:
             yield bytes(buf)
 
-    def delete(self, file_id: str) -> dict[str, Any]:
-        rec = self.record(file_id)
+    def delete(self, file_id: str, tenant: Tenant = OPEN) -> dict[str, Any]:
+        rec = self.record(file_id, tenant)
+        if _OUTPUT_FILE.match(file_id):  # its batch's manifest would register it again
+            self.conn.set(keys.file_tombstone(file_id), "1")
         self._storage_of(rec).delete_many(rec["names"])
         pipe = self.conn.pipeline()
         pipe.delete(keys.file_hash(file_id))
         pipe.zrem(keys.files_index(), file_id)
+        pipe.zrem(keys.tenant_files_index(rec.get(TENANT_FIELD) or ANONYMOUS), file_id)
         pipe.execute()
         return {"id": file_id, "object": "file", "deleted": True}
 
@@ -155,12 +169,37 @@ class FileStore:
             return self.storage
         return open_storage(rec["uri"], _storage_settings(None, self.settings))
 
-    def input_uri(self, file_id: str) -> str:
-        rec = self.record(file_id)
+    def input_uri(self, file_id: str, tenant: Tenant = OPEN) -> str:
+        rec = self.record(file_id, tenant)
         if rec["purpose"] != "batch":
             raise RequestError(f"file {file_id} has purpose {rec['purpose']!r}; a batch needs purpose 'batch'",
                                param="input_file_id")
         return self._storage_of(rec).describe(rec["names"][0])
+
+
+def _index_page(conn: redis.Redis, index: str, after: str | None, limit: int,
+                load: Callable[[str], dict[str, Any] | None]) -> dict[str, Any]:
+    """OpenAI's list page from a sorted-set index, newest first: the ``limit`` objects after ``after``
+    (an id not in this index: an empty page) that ``load`` returns (``None``: skip), read a chunk at a time."""
+    start = 0
+    if after is not None:
+        rank = conn.zrevrank(index, after)
+        if rank is None:
+            return _page([], limit)
+        start = int(rank) + 1
+    data: list[dict[str, Any]] = []
+    while len(data) <= limit:
+        ids = conn.zrevrange(index, start, start + _INDEX_CHUNK - 1)
+        if not ids:
+            break
+        start += len(ids)
+        for obj_id in ids:
+            obj = load(as_str(obj_id))
+            if obj is not None:
+                data.append(obj)
+                if len(data) > limit:
+                    break
+    return _page(data, limit)
 
 
 def _page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
@@ -191,14 +230,15 @@ def register_outputs(files: FileStore, bulk_id: str, manifest: dict[str, Any] | 
     if manifest is None:
         return False
     out_id, err_id = output_file_ids(bulk_id, manifest)
+    owner = batch_owner(files.conn, bulk_id)
     for file_id, shards, suffix in ((out_id, manifest["output_shards"], "output"),
                                     (err_id, manifest.get("error_shards") or [], "errors")):
-        if file_id is None:
+        if file_id is None or files.conn.exists(keys.file_tombstone(file_id)):
             continue
         files._save({"id": file_id, "object": "file", "bytes": sum(s["bytes"] for s in shards),
                      "created_at": int(time.time()), "filename": f"{bulk_id}_{suffix}.jsonl",
                      "purpose": "batch_output", "status": "processed", "uri": spec.output,
-                     "names": [s["name"] for s in shards]}, only_new=True)
+                     "names": [s["name"] for s in shards], TENANT_FIELD: owner}, only_new=True)
     return True
 
 
@@ -214,17 +254,17 @@ def batch_object(conn: redis.Redis, bulk_id: str, files: FileStore | None = None
     fields (input/output URIs, lines read, manifest). Raises ``KeyError`` for an unknown bulk."""
     st = get_bulk(conn, bulk_id)
     spec = load_spec(conn, bulk_id)
-    cancel_at, seen_endpoint = (_text(v) for v in conn.hmget(keys.bulk_hash(bulk_id), "cancel_requested", "endpoint"))
-    status = BulkStatus(st["status"])
-    finished = int(st["finished_at"]) if st.get("finished_at") else None
-    manifest = _manifest(spec) if status.is_final and st.get("manifest") else None
+    cancel_at, seen_endpoint = (as_str(v) for v in conn.hmget(keys.bulk_hash(bulk_id), BulkField.CANCEL_REQUESTED, BulkField.ENDPOINT))
+    status = BulkStatus(st[BulkField.STATUS])
+    finished = int(st[BulkField.FINISHED_AT]) if st.get(BulkField.FINISHED_AT) else None
+    manifest = _manifest(spec) if status.is_final and st.get(BulkField.MANIFEST) else None
     out_id, err_id = output_file_ids(bulk_id, manifest)
     if files is not None and manifest is not None:
         register_outputs(files, bulk_id, manifest)
     window = spec.completion_window_s
     errors = None
-    if st.get("error"):
-        errors = {"object": "list", "data": [{"code": "batch_failed", "message": st["error"], "line": None, "param": None}]}
+    if st.get(BulkField.ERROR):
+        errors = {"object": "list", "data": [{"code": "batch_failed", "message": st[BulkField.ERROR], "line": None, "param": None}]}
 
     def at(s: BulkStatus) -> int | None:
         return finished if status == s else None
@@ -254,6 +294,16 @@ def batch_object(conn: redis.Redis, bulk_id: str, files: FileStore | None = None
     }
 
 
+def batch_owner(conn: redis.Redis, bulk_id: str) -> str | None:
+    """The tenant that created a batch (``None``: a bulk made outside the gateway, or before tenants)."""
+    return as_str(conn.hget(keys.bulk_hash(bulk_id), BulkField.TENANT))
+
+
+def _check_owner(conn: redis.Redis, batch_id: str, tenant: Tenant) -> None:
+    if not tenant.owns(batch_owner(conn, batch_id)):
+        raise NotFound("batch", batch_id, "batch_id")
+
+
 def create_batch(
     conn: redis.Redis,
     files: FileStore,
@@ -263,30 +313,37 @@ def create_batch(
     completion_window: str,
     metadata: dict[str, str] | None = None,
     queue_name: str = BULK_QUEUE,
+    tenant: Tenant = OPEN,
 ) -> dict[str, Any]:
-    """Start a bulk over an uploaded file (``POST /v1/batches``); returns its ``Batch``."""
+    """Start a bulk over an uploaded file of ``tenant``'s (``POST /v1/batches``), owned by it; returns its ``Batch``."""
     if endpoint not in SUPPORTED_URLS:
         raise RequestError(f"endpoint must be one of {list(SUPPORTED_URLS)}, got {endpoint!r}", param="endpoint")
     if completion_window not in COMPLETION_WINDOWS:
         raise RequestError(f"completion_window must be one of {list(COMPLETION_WINDOWS)}, got {completion_window!r}",
                            param="completion_window")
-    input_uri = files.input_uri(input_file_id)
+    input_uri = files.input_uri(input_file_id, tenant)
     bulk_id = f"batch_{uuid.uuid4().hex[:24]}"
     create_bulk(input_uri, files.storage.describe(f"batches/{bulk_id}"), connection=conn, bulk_id=bulk_id,
                 completion_window_s=COMPLETION_WINDOWS[completion_window], s3_endpoint_url=files.settings.s3_endpoint_url,
                 endpoint=endpoint, input_file_id=input_file_id, metadata=metadata)
+    pipe = conn.pipeline()
+    pipe.hset(keys.bulk_hash(bulk_id), BulkField.TENANT, tenant.name)
+    pipe.zadd(keys.tenant_bulks_index(tenant.name), {bulk_id: time.time()})
+    pipe.execute()
     enqueue_run(conn, bulk_id, queue_name=queue_name)
     return batch_object(conn, bulk_id, files)
 
 
-def get_batch(conn: redis.Redis, files: FileStore | None, batch_id: str) -> dict[str, Any]:
+def get_batch(conn: redis.Redis, files: FileStore | None, batch_id: str, tenant: Tenant = OPEN) -> dict[str, Any]:
+    _check_owner(conn, batch_id, tenant)
     try:
         return batch_object(conn, batch_id, files)
     except KeyError:
         raise NotFound("batch", batch_id, "batch_id") from None
 
 
-def cancel_batch(conn: redis.Redis, files: FileStore | None, batch_id: str) -> dict[str, Any]:
+def cancel_batch(conn: redis.Redis, files: FileStore | None, batch_id: str, tenant: Tenant = OPEN) -> dict[str, Any]:
+    _check_owner(conn, batch_id, tenant)  # before anything is written
     try:
         cancel_bulk(conn, batch_id)
     except KeyError:
@@ -294,14 +351,15 @@ def cancel_batch(conn: redis.Redis, files: FileStore | None, batch_id: str) -> d
     return batch_object(conn, batch_id, files)
 
 
-def list_batches(conn: redis.Redis, files: FileStore | None, limit: int = 20, after: str | None = None) -> dict[str, Any]:
-    ids = list_bulks(conn, limit=100_000)
-    if after is not None:
-        ids = ids[ids.index(after) + 1:] if after in ids else []
-    data = []
-    for bulk_id in ids[: limit + 1]:
+def list_batches(conn: redis.Redis, files: FileStore | None, limit: int = 20, after: str | None = None,
+                 tenant: Tenant = OPEN) -> dict[str, Any]:
+    """One page of ``tenant``'s batches, newest first, from its index (an admin: every bulk's index)."""
+    index = keys.bulk_index() if tenant.admin else keys.tenant_bulks_index(tenant.name)
+
+    def load(bulk_id: str) -> dict[str, Any] | None:
         try:
-            data.append(batch_object(conn, bulk_id, files))
+            return batch_object(conn, bulk_id, files)
         except KeyError:
-            continue  # its status hash expired
-    return _page(data, limit)
+            return None  # its status hash expired
+
+    return _index_page(conn, index, after, limit, load)

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pagestream.producer.bulk.parts import PartEntry
-from pagestream.producer.bulk.storage import ObjectInfo, Storage
+from pagestream.producer.bulk.storage import ObjectInfo
+from pagestream.producer.bulk.stores import Storage
 
 PARTS_PREFIX = "parts/"
 MANIFEST = "manifest.json"

@@ -32,17 +32,21 @@ import redis
 from pydantic import ValidationError
 
 from pagestream.producer.protocol import keys
-from pagestream.producer.bulk.api import LEASE_S, BulkSpec, BulkStatus, load_spec, request_counts
+from pagestream.producer.bulk.api import LEASE_S, load_spec
 from pagestream.producer.bulk.finalize import PARTS_PREFIX, compact, list_parts, manifest_header, remove_parts
 from pagestream.producer.bulk.io import CHAT_URL, COMPLETIONS_URL, BadLine, BulkRequest, max_line_bytes, parse_line
 from pagestream.producer.bulk.parts import error_entry, request_id
-from pagestream.producer.bulk.storage import StorageError, StorageSettings, open_input, open_storage
+from pagestream.producer.bulk.storage import StorageError, StorageSettings
+from pagestream.producer.bulk.stores import open_input, open_storage, storage_settings_for
 from pagestream.producer.client.producer import Producer
+from pagestream.producer.protocol.bulk import REFRESH_LEASE_LUA, BulkField, BulkSpec, BulkStatus, request_counts
+from pagestream.producer.protocol.bulk import decode as decode_bulk
 from pagestream.producer.protocol.limits import job_limits
 from pagestream.producer.protocol.redis_conn import is_cluster, outage_proof, outage_retry, same_server
 from pagestream.producer.protocol.settings import redis_url as main_redis_url
 from pagestream.producer.protocol.settings import rq_redis_url
 from pagestream.producer.protocol.schema import JobRequest, OutputTarget, format_validation_error
+from pagestream.producer.protocol.wire import as_str
 
 log = logging.getLogger(__name__)
 
@@ -56,20 +60,6 @@ CANCEL_GRACE_S = float(os.environ.get("PAGESTREAM_BULK_CANCEL_GRACE_S", "60"))
 #: keep the status hash this long after the bulk is final
 STATUS_TTL_S = 30 * 24 * 3600
 
-# KEYS: lease, status hash. ARGV: token, lease ms. An expired lease (Redis was away longer than
-# the lease) is taken back only if nobody took it and the bulk is not final.
-_REFRESH_LUA = """
-local holder = redis.call('GET', KEYS[1])
-if holder == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-if holder then return 0 end
-local st = redis.call('HGET', KEYS[2], 'status')
-if st == 'completed' or st == 'failed' or st == 'cancelled' or st == 'expired' then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
 _RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -82,10 +72,6 @@ class BulkFailed(RuntimeError):
 
 class LeaseLost(RuntimeError):
     """Another orchestrator took over this bulk; this one stops without writing."""
-
-
-def _text(v: Any) -> Any:
-    return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
 def run_bulk(bulk_id: str, redis_url: str | None = None) -> dict[str, Any]:
@@ -144,30 +130,30 @@ class Orchestrator:
         self.key = keys.bulk_hash(bulk_id)
         self.lock_key = keys.bulk_lock(bulk_id)
         self.spec: BulkSpec = load_spec(conn, bulk_id)
-        settings = self.spec.storage_settings(storage_settings)
+        settings = storage_settings_for(self.spec, storage_settings)
         self.storage_settings = settings
         self.producer = Producer(conn)
         self.token = f"{time.time():.6f}-{id(self)}"
         self.lease_lost = threading.Event()
         self._stop = threading.Event()
-        self._refresh = conn.register_script(_REFRESH_LUA)
+        self._refresh = conn.register_script(REFRESH_LEASE_LUA)
         self._release = conn.register_script(_RELEASE_LUA)
         self._last_meta = 0.0
 
     # ---- state ------------------------------------------------------------------------------
     def state(self) -> dict[str, str]:
-        return {_text(k): _text(v) for k, v in self.conn.hgetall(self.key).items()}
+        return decode_bulk(self.conn.hgetall(self.key))
 
     def status(self) -> BulkStatus:
-        return BulkStatus(_text(self.conn.hget(self.key, "status")))
+        return BulkStatus(as_str(self.conn.hget(self.key, BulkField.STATUS)))
 
     def summary(self) -> dict[str, Any]:
         st = self.state()
-        return {"bulk_id": self.bulk_id, "status": st.get("status"), "request_counts": request_counts(st),
-                "manifest": st.get("manifest"), "error": st.get("error")}
+        return {"bulk_id": self.bulk_id, "status": st.get(BulkField.STATUS), "request_counts": request_counts(st),
+                "manifest": st.get(BulkField.MANIFEST), "error": st.get(BulkField.ERROR)}
 
     def _set_status(self, status: BulkStatus, **fields: Any) -> None:
-        self.conn.hset(self.key, mapping={"status": status.value, **{k: str(v) for k, v in fields.items()}})
+        self.conn.hset(self.key, mapping={BulkField.STATUS: status.value, **{k: str(v) for k, v in fields.items()}})
         self._save_meta(force=True)
 
     def _save_meta(self, force: bool = False) -> None:
@@ -179,9 +165,9 @@ class Orchestrator:
         counts = request_counts(st)
         self.rq_job.meta.update({
             "bulk_id": self.bulk_id,
-            "status": st.get("status"),
+            "status": st.get(BulkField.STATUS),
             "request_counts": counts,
-            "progress": {"lines_read": int(st.get("line", 0)), "input_done": st.get("input_done") == "1",
+            "progress": {"lines_read": int(st.get(BulkField.LINE, 0)), "input_done": st.get(BulkField.INPUT_DONE) == "1",
                          "done": counts["completed"] + counts["failed"]},
         })
         try:
@@ -194,7 +180,7 @@ class Orchestrator:
         deadline = time.time() + 2 * LEASE_S
         while time.time() < deadline:
             if self.conn.set(self.lock_key, self.token, nx=True, px=int(LEASE_S * 1000)):
-                self.conn.hset(self.key, "heartbeat_at", repr(time.time()))
+                self.conn.hset(self.key, BulkField.HEARTBEAT_AT, repr(time.time()))
                 return True
             if self.status().is_final:
                 return False
@@ -207,7 +193,7 @@ class Orchestrator:
                 if not self._refresh(keys=[self.lock_key, self.key], args=[self.token, int(LEASE_S * 1000)]):
                     self.lease_lost.set()
                     return
-                self.conn.hset(self.key, "heartbeat_at", repr(time.time()))
+                self.conn.hset(self.key, BulkField.HEARTBEAT_AT, repr(time.time()))
             except redis.RedisError:
                 log.warning("bulk %s: lease refresh failed", self.bulk_id, exc_info=True)
 
@@ -245,7 +231,7 @@ class Orchestrator:
 
     def _fail(self, message: str) -> None:
         log.error("bulk %s failed: %s", self.bulk_id, message)
-        self._set_status(BulkStatus.FAILED, error=message, finished_at=repr(time.time()))
+        self._set_status(BulkStatus.FAILED, **{BulkField.ERROR: message, BulkField.FINISHED_AT: repr(time.time())})
         self.conn.expire(self.key, STATUS_TTL_S)
         self.conn.delete(keys.bulk_seen_hash(self.bulk_id), keys.bulk_done_set(self.bulk_id),
                          keys.bulk_part_seq(self.bulk_id))
@@ -255,7 +241,7 @@ class Orchestrator:
             self._validate()
             self._set_status(BulkStatus.IN_PROGRESS)
         st = self.state()
-        if st.get("input_done") != "1" and not self._should_stop_feeding(st):
+        if st.get(BulkField.INPUT_DONE) != "1" and not self._should_stop_feeding(st):
             self._feed()
         self._drain()
         self._finalize()
@@ -284,20 +270,20 @@ class Orchestrator:
             raise BulkFailed(str(exc)) from exc
 
     def _should_stop_feeding(self, st: dict[str, str]) -> bool:
-        if st.get("cancel_requested"):
+        if st.get(BulkField.CANCEL_REQUESTED):
             return True
         window = self.spec.completion_window_s
         return window is not None and time.time() > self.spec.created_at + window
 
     def _check_sink(self, st: dict[str, str]) -> None:
-        if st.get("sink_error_permanent") == "1":
+        if st.get(BulkField.SINK_ERROR_PERMANENT) == "1":
             raise BulkFailed(f"workers cannot write parts to {self.spec.output}: {st.get('sink_error')}")
 
     # ---- feed -------------------------------------------------------------------------------
     def _feed(self) -> None:
         st = self.state()
-        line = int(st.get("line", 0))
-        offset = int(st.get("offset", 0))
+        line = int(st.get(BulkField.LINE, 0))
+        offset = int(st.get(BulkField.OFFSET, 0))
         storage, name = open_input(self.spec.input, self.storage_settings)
         out = open_storage(self.spec.output, self.storage_settings)
         chunk: list[tuple[int, bytes]] = []
@@ -323,7 +309,7 @@ class Orchestrator:
             self._save_meta()
             if self._should_stop_feeding(st):
                 return False
-            outstanding = int(st.get("submitted", 0)) - int(st.get("completed", 0)) - int(st.get("failed", 0))
+            outstanding = int(st.get(BulkField.SUBMITTED, 0)) - int(st.get(BulkField.COMPLETED, 0)) - int(st.get(BulkField.FAILED, 0))
             if outstanding < self.spec.max_outstanding:
                 return True
             time.sleep(POLL_S)
@@ -383,26 +369,26 @@ class Orchestrator:
             with self.conn.pipeline(transaction=True) as pipe:  # the lease and status hash share the bulk's slot
                 try:
                     pipe.watch(self.lock_key)
-                    if _text(pipe.get(self.lock_key)) != self.token:
+                    if as_str(pipe.get(self.lock_key)) != self.token:
                         raise LeaseLost(f"bulk {self.bulk_id}: lease lost before commit")
-                    if last_line is not None and int(pipe.hget(self.key, "line") or 0) >= last_line:
+                    if last_line is not None and int(pipe.hget(self.key, BulkField.LINE) or 0) >= last_line:
                         return  # this commit landed but its reply was lost (Redis went away): not twice
                     pipe.multi()
                     for fields in routed_in_commit:
                         self.producer.submit(pipeline=pipe, queue_unserved=True, **fields)
                     mapping: dict[str, Any] = {}
                     if last_line is not None:
-                        mapping["line"] = last_line
+                        mapping[BulkField.LINE] = last_line
                     if end_offset is not None:
-                        mapping["offset"] = end_offset
+                        mapping[BulkField.OFFSET] = end_offset
                     if input_done:
-                        mapping["input_done"] = "1"
+                        mapping[BulkField.INPUT_DONE] = "1"
                     if mapping:
                         pipe.hset(self.key, mapping=mapping)
                     if jobs:  # the Batch object's endpoint, for bulks not created with one (producer.bulk.batches)
-                        pipe.hsetnx(self.key, "endpoint", CHAT_URL if "messages" in jobs[0] else COMPLETIONS_URL)
-                    pipe.hincrby(self.key, "submitted", len(jobs))
-                    pipe.hincrby(self.key, "invalid", len(bad))
+                        pipe.hsetnx(self.key, BulkField.ENDPOINT, CHAT_URL if "messages" in jobs[0] else COMPLETIONS_URL)
+                    pipe.hincrby(self.key, BulkField.SUBMITTED, len(jobs))
+                    pipe.hincrby(self.key, BulkField.INVALID, len(bad))
                     pipe.execute()
                     return
                 except redis.WatchError:
@@ -419,26 +405,26 @@ class Orchestrator:
             self._check_sink(st)
             self._save_meta()
             # "skipped": jobs a worker acked unrun because the bulk is cancelling (worker.bulk_gate)
-            done = int(st.get("completed", 0)) + int(st.get("failed", 0)) + int(st.get("skipped", 0))
-            if done >= int(st.get("submitted", 0)) or st.get("finalize_parts"):
+            done = int(st.get(BulkField.COMPLETED, 0)) + int(st.get(BulkField.FAILED, 0)) + int(st.get(BulkField.SKIPPED, 0))
+            if done >= int(st.get(BulkField.SUBMITTED, 0)) or st.get(BulkField.FINALIZE_PARTS):
                 return
             if self._should_stop_feeding(st):
-                if not st.get("cancel_requested"):
+                if not st.get(BulkField.CANCEL_REQUESTED):
                     return  # expired: finalize what is done now, like OpenAI's expired batches
                 if cancel_deadline is None:
                     cancel_deadline = time.time() + CANCEL_GRACE_S
-                    if st.get("status") != BulkStatus.CANCELLING.value:
+                    if st.get(BulkField.STATUS) != BulkStatus.CANCELLING.value:
                         self._set_status(BulkStatus.CANCELLING)
                 elif time.time() > cancel_deadline:
                     return
             time.sleep(POLL_S)
 
     def _final_status(self, st: dict[str, str]) -> BulkStatus:
-        if st.get("final_status"):
-            return BulkStatus(st["final_status"])
-        if st.get("cancel_requested"):
+        if st.get(BulkField.FINAL_STATUS):
+            return BulkStatus(st[BulkField.FINAL_STATUS])
+        if st.get(BulkField.CANCEL_REQUESTED):
             return BulkStatus.CANCELLED
-        if st.get("input_done") != "1" or int(st.get("completed", 0)) + int(st.get("failed", 0)) < int(st.get("submitted", 0)):
+        if st.get(BulkField.INPUT_DONE) != "1" or int(st.get(BulkField.COMPLETED, 0)) + int(st.get(BulkField.FAILED, 0)) < int(st.get(BulkField.SUBMITTED, 0)):
             return BulkStatus.EXPIRED
         return BulkStatus.COMPLETED
 
@@ -446,11 +432,11 @@ class Orchestrator:
         st = self.state()
         final = self._final_status(st)
         out = open_storage(self.spec.output, self.storage_settings)
-        if not st.get("finalize_parts"):
+        if not st.get(BulkField.FINALIZE_PARTS):
             # Freeze the part list: a late duplicate part must not change a re-run's bytes.
-            self.conn.hset(self.key, mapping={"finalize_parts": json.dumps(list_parts(out)), "final_status": final.value})
+            self.conn.hset(self.key, mapping={BulkField.FINALIZE_PARTS: json.dumps(list_parts(out)), BulkField.FINAL_STATUS: final.value})
             st = self.state()
-        parts = json.loads(st["finalize_parts"])
+        parts = json.loads(st[BulkField.FINALIZE_PARTS])
         if final == BulkStatus.COMPLETED:
             self._set_status(BulkStatus.FINALIZING)
         manifest = compact(out, parts, bulk_id=self.bulk_id, shard_lines=self.spec.shard_lines,
@@ -459,9 +445,9 @@ class Orchestrator:
         counts = manifest["request_counts"]
         pipe = self.conn.pipeline(transaction=True)  # every key here carries the bulk's hash tag
         pipe.hset(self.key, mapping={
-            "status": final.value, "finished_at": repr(time.time()), "manifest": out.describe("manifest.json"),
-            "final_counts": json.dumps(counts)})
-        pipe.hdel(self.key, "finalize_parts")
+            BulkField.STATUS: final.value, BulkField.FINISHED_AT: repr(time.time()), BulkField.MANIFEST: out.describe("manifest.json"),
+            BulkField.FINAL_COUNTS: json.dumps(counts)})
+        pipe.hdel(self.key, BulkField.FINALIZE_PARTS)
         pipe.delete(keys.bulk_seen_hash(self.bulk_id), keys.bulk_done_set(self.bulk_id),
                     keys.bulk_part_seq(self.bulk_id))
         pipe.expire(self.key, STATUS_TTL_S)

@@ -11,7 +11,7 @@ Both give the same small interface the orchestrator and the bulk sink need:
 - ``list`` / ``open_lines`` / ``delete_many`` for compaction and cleanup.
 
 The S3 side lives in ``producer/bulk/s3.py`` (boto3 is imported only when an
-``s3://`` URI is used).
+``s3://`` URI is used); ``producer/bulk/stores.py`` picks one for a URI.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
 from urllib.parse import unquote, urlparse
 
 from typing import Literal
@@ -31,14 +30,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pagestream.producer.protocol.settings import ENV_PREFIX, S3_ADDRESSING_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV
 
-if TYPE_CHECKING:
-    from pagestream.producer.bulk.s3 import S3Storage
-
 _READ_CHUNK_BYTES = 1024 * 1024
 
 
-#: how boto3 addresses a bucket: "path" for most MinIO / moto set-ups, "virtual" for AWS
-AddressingStyle = Literal["auto", "virtual", "path"]
+from pagestream.producer.protocol.bulk import AddressingStyle  # noqa: E402 (re-exported)
 
 
 class StorageSettings(BaseSettings):
@@ -248,31 +243,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-#: either backend; both have the same methods
-Storage = Union[LocalStorage, "S3Storage"]
-
-
-def open_storage(uri: str, settings: StorageSettings | None = None, client=None) -> Storage:
-    """The storage for a bulk output URI: ``s3://bucket/prefix``, ``file:///dir`` or a plain path."""
-    if is_s3(uri):
-        from pagestream.producer.bulk.s3 import S3Storage
-
-        return S3Storage(uri, settings=settings, client=client)
-    if "://" in uri and not uri.startswith("file://"):
-        raise ValueError(f"unsupported output URI {uri!r}: use s3://bucket/prefix, file:///dir or a local path")
-    return LocalStorage(uri)
-
-
-def open_input(uri: str, settings: StorageSettings | None = None) -> tuple[Storage, str]:
-    """(storage, object name) for an input file URI, so it can be streamed with ``open_lines``."""
-    if is_s3(uri):
-        from pagestream.producer.bulk.s3 import S3Storage, split_s3_uri
-
-        bucket, key = split_s3_uri(uri)
-        if not key:
-            raise ValueError(f"input URI {uri!r} names a bucket, not an object")
-        return S3Storage(f"s3://{bucket}", settings=settings), key
-    path = local_path(uri)
-    return LocalStorage(str(path.parent)), path.name

@@ -17,6 +17,8 @@ from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.redis_conn import connect
 from pagestream.producer.protocol.schema import Lane
 from pagestream.producer.protocol.cli import fail, redis_url_option, resolve_url
+from pagestream.producer.protocol import job as job_hash
+from pagestream.producer.protocol.job import JobField
 
 
 RedisUrl = redis_url_option()
@@ -24,10 +26,6 @@ RedisUrl = redis_url_option()
 
 def _client(url: str | None) -> redis.Redis:
     return connect(resolve_url(url))
-
-
-def _s(v) -> str | None:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
 
 def _when(ts: float | str | None) -> str:
@@ -143,13 +141,14 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="print the job's fields as JSON"),
 ) -> None:
     """A job's status, lane, times, worker and error."""
-    state = {_s(k): _s(v) for k, v in _client(redis_url).hgetall(keys.job_hash(job_id)).items()}
+    state = job_hash.decode(_client(redis_url).hgetall(keys.job_hash(job_id)))
     if not state:
         fail(f"no job {job_id} (never submitted, or its result expired)")
-    result = json.loads(state["result"]) if state.get("result") else {}
+    F = JobField
+    result = json.loads(state[F.RESULT]) if state.get(F.RESULT) else {}
     info = {
-        "job_id": job_id, "status": state.get("status"), "lane": state.get("lane"), "bulk_id": state.get("bulk_id"),
-        "created_at": state.get("created_at"), "finished_at": state.get("finished_at"), "worker": result.get("worker"),
+        "job_id": job_id, "status": state.get(F.STATUS), "lane": state.get(F.LANE), "bulk_id": state.get(F.BULK_ID),
+        "created_at": state.get(F.CREATED_AT), "finished_at": state.get(F.FINISHED_AT), "worker": result.get("worker"),
         "finish_reason": result.get("finish_reason"), "error": result.get("error"),
         "prompt_tokens": result.get("prompt_tokens"), "completion_tokens": result.get("completion_tokens"),
     }

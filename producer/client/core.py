@@ -22,91 +22,16 @@ import redis
 from redis.backoff import ExponentialBackoff
 
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.job import RESULT_READ, SCRIPTS, JobField
 from pagestream.producer.protocol.lanes import SINGLE, LaneLayout, layout_args
 from pagestream.producer.protocol.redis_conn import queue_script
 from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, TokenEvent
-from pagestream.producer.protocol.wire import END_TYPE, JOB_FIELD, TYPE_FIELD, EventDeduper, decode_out_entry, is_end_entry, job_fields
-
-_FINAL = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_final)
+from pagestream.producer.protocol.wire import JOB_FIELD, EventDeduper, as_str, decode_out_entry, is_end_entry, job_fields
 
 #: how long a queued job's hash lives when the job has no deadline: a job that no worker ever
 #: starts (or whose worker dies unreclaimed) does not leave keys forever. A worker sets the
 #: key's TTL again when it starts the job and when it ends it.
 QUEUED_JOB_KEY_TTL_S = 7 * 24 * 3600
-
-# KEYS: job hash, lane stream. ARGV: job json, lane, created_at, result_ttl_s, key TTL while queued
-SUBMIT_LUA = f"""
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {{0, redis.call('HGET', KEYS[1], 'entry_id') or ''}}
-end
-local id = redis.call('XADD', KEYS[2], '*', '{JOB_FIELD}', ARGV[1])
-redis.call('HSET', KEYS[1], 'status', '{JobStatus.QUEUED.value}', 'lane', ARGV[2], 'entry_id', id,
-           'created_at', ARGV[3], 'result_ttl_s', ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
-return {{1, id}}
-"""
-
-# KEYS: job hash, out stream, cancel stream. ARGV: job id, result json (if still queued), now
-CANCEL_LUA = f"""
-local final = {{}}
-for _, s in ipairs({{{_FINAL}}}) do final[s] = true end
-local st = redis.call('HGET', KEYS[1], 'status')
-if not st then return false end
-if final[st] then return st end
-redis.call('HSET', KEYS[1], 'cancel_requested', ARGV[3])
-if st == '{JobStatus.QUEUED.value}' then
-  local ttl = tonumber(redis.call('HGET', KEYS[1], 'result_ttl_s') or '86400')
-  redis.call('HSET', KEYS[1], 'status', '{JobStatus.CANCELLED.value}', 'result', ARGV[2], 'finished_at', ARGV[3])
-  redis.call('XADD', KEYS[2], '*', '{TYPE_FIELD}', '{END_TYPE}', 'status', '{JobStatus.CANCELLED.value}')
-  redis.call('EXPIRE', KEYS[1], ttl)
-  redis.call('EXPIRE', KEYS[2], ttl)
-end
-if KEYS[3] then  -- on a cluster the cancel stream is in another slot: the caller XADDs it next
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'job_id', ARGV[1])
-end
-return st
-"""
-
-# Redis Cluster: the job hash and the lane shard are in different slots, so a submit is three
-# steps, each in one slot, ordered so a crash anywhere keeps "accepted once XADD returned" and
-# at most one entry runs per job (RELIABILITY.md, "Redis Cluster"):
-#   1. RESERVE (job slot): a job whose hash names its entry already is a no-op; else the hash
-#      is written as queued (without an entry) before anything is queued, so a worker reading
-#      the entry always finds it. A half-done submit (hash, no entry) goes on to step 2.
-#   2. XADD to the lane shard (the shard's slot).
-#   3. SETTLE (job slot): the first entry named in the hash wins (HSETNX). A worker that reads an
-#      entry before step 3 names it the same way (worker.intake), so a retried submit whose earlier
-#      XADD survived a crash leaves a second entry that loses, and is deleted here or acked unrun by
-#      the worker that reads it.
-# KEYS: job hash. ARGV: lane, created_at, result_ttl_s, key TTL while queued
-RESERVE_LUA = f"""
-local st, e = unpack(redis.call('HMGET', KEYS[1], 'status', 'entry_id'))
-if e then return {{0, e}} end
-if st then
-  if st ~= '{JobStatus.QUEUED.value}' then return {{0, ''}} end
-  return {{1, ''}}
-end
-redis.call('HSET', KEYS[1], 'status', '{JobStatus.QUEUED.value}', 'lane', ARGV[1], 'created_at', ARGV[2],
-           'result_ttl_s', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return {{1, ''}}
-"""
-
-# KEYS: job hash. ARGV: entry id, lane key (keys.lane_key). Returns {won 1/0, entry id, lane key} of the
-# job's entry. Used by the producer (step 3 above) and by a worker that reads the entry first.
-CLAIM_ENTRY_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0, '', ''} end
-if redis.call('HSETNX', KEYS[1], 'entry_id', ARGV[1]) == 1 then
-  redis.call('HSET', KEYS[1], 'entry_lane', ARGV[2])
-  return {1, ARGV[1], ARGV[2]}
-end
-local e, l = unpack(redis.call('HMGET', KEYS[1], 'entry_id', 'entry_lane'))
-l = l or ''
-if e == ARGV[1] and l == ARGV[2] then return {1, e, l} end
-return {0, e, l}
-"""
-
-SCRIPTS = {"submit": SUBMIT_LUA, "cancel": CANCEL_LUA, "reserve": RESERVE_LUA, "claim": CLAIM_ENTRY_LUA}
 
 
 def call_script(script: Any, keys_: list, args: list, client: Any) -> Any:
@@ -183,10 +108,6 @@ def build_request(request: JobRequest | dict | None = None, **fields: Any) -> Jo
     if fields:
         raise TypeError("pass either a JobRequest or keyword fields, not both")
     return request
-
-
-def _s(v: bytes | str | None) -> str | None:
-    return v.decode("utf-8") if isinstance(v, bytes) else v
 
 
 def queued_key_ttl_s(job: JobRequest) -> int:
@@ -271,7 +192,7 @@ class ProducerCore:
         wanted = {j.model for j in jobs if j.model is not None and self._live_until.get(j.model, 0.0) < now}
         if not wanted:
             return
-        served = [_s(m) for m in (yield live_models_call())]
+        served = [as_str(m) for m in (yield live_models_call())]
         for m in served:
             self._live_until[m] = now + self.MODEL_CACHE_S
         for m in sorted(wanted):
@@ -306,7 +227,7 @@ class ProducerCore:
         return [j.job_id for j in jobs]
 
     def _submit_sharded(self, jobs: list[JobRequest]) -> Steps:
-        """Reserve, XADD, settle (the comment above RESERVE_LUA): three pipelined round trips for any number of jobs."""
+        """Reserve, XADD, settle (the comment above producer.protocol.job.RESERVE_LUA): three pipelined round trips for any number of jobs."""
         layout = yield from self.layout()
         pipe = yield Call("pipeline", kwargs={"transaction": False})
         for job in jobs:
@@ -327,7 +248,7 @@ class ProducerCore:
         pipe = yield Call("pipeline", kwargs={"transaction": False})
         for (job, lane_key, _), entry_id in zip(placed, entry_ids):
             yield Call("claim", script=True, kwargs={"client": pipe, "keys": [keys.job_hash(job.job_id)],
-                                                     "args": [_s(entry_id), lane_key]})
+                                                     "args": [as_str(entry_id), lane_key]})
         # ring the idle workers' doorbell once the entries are in (after their XADD round trip),
         # naming the shards, so a woken worker reads those instead of every shard
         for model in sorted({job.model or "" for job, _, _ in placed}):
@@ -337,7 +258,7 @@ class ProducerCore:
         n_rings = len({job.model or "" for job, _, _ in placed})
         settled = (yield Call("execute", on=pipe))[:-n_rings]
         # a lost claim names the winner; none named (the hash expired meanwhile): keep the entry, a worker runs it
-        losers = [(stream, _s(eid)) for (_, _, stream), eid, (won, winner, _) in zip(placed, entry_ids, settled)
+        losers = [(stream, as_str(eid)) for (_, _, stream), eid, (won, winner, _) in zip(placed, entry_ids, settled)
                   if not int(won) and winner]
         if losers:  # another entry of the job (an earlier attempt's) is the one that runs
             pipe = yield Call("pipeline", kwargs={"transaction": False})
@@ -376,12 +297,12 @@ class ProducerCore:
             yield Sleep(backoff.compute(failures))
 
     def status(self, job_id: str) -> Steps:
-        st = yield Call("hget", (keys.job_hash(job_id), "status"))
-        return JobStatus(_s(st)) if st is not None else None
+        st = yield Call("hget", (keys.job_hash(job_id), JobField.STATUS))
+        return JobStatus(as_str(st)) if st is not None else None
 
     def cancel(self, job_id: str) -> Steps:
         st = yield cancel_script_call(job_id, self.cluster)
-        status = JobStatus(_s(st)) if st else None
+        status = JobStatus(as_str(st)) if st else None
         if self.cluster and status is not None and not status.is_final:
             # after the job hash says cancel_requested: a worker told first could admit the job before
             # the flag is there. A crash between the two leaves the flag, which intake checks; a
@@ -390,7 +311,7 @@ class ProducerCore:
         return status
 
     def live_models(self) -> Steps:
-        return sorted(_s(m) for m in (yield live_models_call()))
+        return sorted(as_str(m) for m in (yield live_models_call()))
 
     def result(self, job_id: str, timeout: float | None) -> Steps:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -404,20 +325,20 @@ class ProducerCore:
                 # the result in one transaction, so a result missed below has its end entry after this id
                 # and the XREAD wakes at once (read the other way round, it would sleep a full block).
                 newest = yield from self._read(Call("xrevrange", (out_key,), {"count": 1}, retry=True), what, reached)
-                last = _s(newest[0][0]) if newest else "0-0"
+                last = as_str(newest[0][0]) if newest else "0-0"
                 reached = True
-            raw, st = yield from self._read(Call("hmget", (keys.job_hash(job_id), ["result", "status"]), retry=True), what)
+            raw, st = yield from self._read(Call("hmget", (keys.job_hash(job_id), RESULT_READ), retry=True), what)
             if raw is not None:
                 return JobResult.model_validate_json(raw)
             if st is None:
                 raise JobNotFound(job_id)
-            block_ms = _block_ms(deadline, lambda: f"job {job_id} not finished after {timeout} s (status {_s(st)})")
+            block_ms = _block_ms(deadline, lambda: f"job {job_id} not finished after {timeout} s (status {as_str(st)})")
             # Wake as soon as the worker writes anything to the job's stream; the end entry
             # and the result are written in one transaction (re-checked on the next turn).
             resp = yield from self._read(Call("xread", ({out_key: last},), {"count": 1000, "block": block_ms}, retry=True), what)
             for _, entries in resp or []:
                 if entries:
-                    last = _s(entries[-1][0])
+                    last = as_str(entries[-1][0])
 
     def results(self, job_ids: list[str], timeout: float | None) -> Steps:
         """``result`` for many jobs at once, in the order of ``job_ids``.
@@ -451,9 +372,9 @@ class ProducerCore:
                         [Call("xrevrange", (stream_of[j],), {"count": 1}) for j in fresh], what, reached)
                     reached = True
                     for j, entries in zip(fresh, newest):
-                        last[j] = _s(entries[0][0]) if entries else "0-0"
+                        last[j] = as_str(entries[0][0]) if entries else "0-0"
                 rows = yield from self._read(
-                    [Call("hmget", (keys.job_hash(j), ["result", "status"])) for j in check], what)
+                    [Call("hmget", (keys.job_hash(j), RESULT_READ)) for j in check], what)
                 for j, (raw, st) in zip(check, rows):
                     if raw is not None:
                         got[j] = JobResult.model_validate_json(raw)
@@ -472,7 +393,7 @@ class ProducerCore:
             for key, entries in resp:
                 j = job_of[key if isinstance(key, bytes) else key.encode()]
                 if entries:
-                    last[j] = _s(entries[-1][0])
+                    last[j] = as_str(entries[-1][0])
                     if any(is_end_entry(f) for _, f in entries):
                         check.append(j)
 
@@ -490,11 +411,11 @@ class ProducerCore:
                                          what, reached)
             reached = True
             if not resp:
-                st = yield from self._read(Call("hget", (keys.job_hash(job_id), "status"), retry=True), what)
+                st = yield from self._read(Call("hget", (keys.job_hash(job_id), JobField.STATUS), retry=True), what)
                 exists = yield from self._read(Call("exists", (out_key,), retry=True), what)
                 if st is None and not exists:
                     raise JobNotFound(job_id)
-                if st is not None and JobStatus(_s(st)).is_final and not exists:
+                if st is not None and JobStatus(as_str(st)).is_final and not exists:
                     return None
                 if timeout is not None and time.monotonic() - idle_since > timeout:
                     raise TimeoutError(f"no event for job {job_id} in {timeout} s")
@@ -502,7 +423,7 @@ class ProducerCore:
             idle_since = time.monotonic()
             for _, entries in resp:
                 for entry_id, fields in entries:
-                    last = _s(entry_id)
+                    last = as_str(entry_id)
                     ev = decode_out_entry(job_id, fields)
                     if isinstance(ev, str):
                         return ev  # the end entry's status

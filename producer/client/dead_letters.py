@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.schema import DeadLetter, JobRequest, format_validation_error
 from pagestream.producer.protocol.wire import JOB_FIELD
+from pagestream.producer.protocol.wire import as_str
 
 _PAYLOAD = "payload:"
 
@@ -59,7 +60,7 @@ class DeadLetterEntry:
 
 
 def _s(v: Any) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+    return str(as_str(v, "replace"))
 
 
 def _entry(entry_id: Any, fields: dict) -> DeadLetterEntry:

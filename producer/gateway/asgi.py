@@ -66,7 +66,7 @@ async def _disconnected(receive: Receive) -> None:
 
 
 class Accounting:
-    """Counts requests by path and status, times those answered in one body (streams time
+    """Counts requests by route and status, times those answered in one body (streams time
     themselves), and answers a Redis error raised before the response started with a 503
     (any other error with a 500), in OpenAI's error shape."""
 
@@ -104,11 +104,8 @@ class Accounting:
             log.exception("unhandled error on %s", path)
             await _error(GatewayError(500, "internal error", type="server_error"))(scope, receive, send_counted)
         finally:
-            if status is not None:
-                metrics = scope["app"].state.gateway.metrics
-                metrics.requests.labels(path, str(status)).inc()
-                if one_body:
-                    metrics.latency.labels(path).observe(time.monotonic() - t0)
+            if status is not None:  # labelled by the route matched, never the raw path (metrics.endpoint_label)
+                scope["app"].state.gateway.metrics.observe_request(scope, status, time.monotonic() - t0 if one_body else None)
 
 
 def _error(exc: GatewayError) -> JSONResponse:

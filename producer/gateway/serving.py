@@ -23,6 +23,7 @@ from pagestream.producer.gateway.errors import GatewayError
 from pagestream.producer.gateway.protocol import OpenAIRequest, first_error_loc, usage_chunk
 from pagestream.producer.gateway.state import GatewayState
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.tenants import TENANT_FIELD
 from pagestream.producer.protocol.schema import JobResult, JobStatus, TokenLogprob, format_validation_error
 
 
@@ -111,6 +112,9 @@ class OpenAIServing:
             job = req.to_job(job_id)
         except ValidationError as exc:
             raise GatewayError(400, format_validation_error(exc), param=req.param_of(first_error_loc(exc))) from None
+        tenant = getattr(request.state, "tenant", None)  # set by the routers' auth dependency
+        if tenant is not None:
+            job.metadata[TENANT_FIELD] = tenant.name  # the job (its hash and stream) carries its owner
         await self.state.models.check(req.model, job.sampling.max_tokens)
         await self.check_admission(req.model)
         await self.producer.submit(job, queue_unserved=True)  # the model was checked just above, with the directory's cache

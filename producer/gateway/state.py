@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from pagestream.producer.client import AsyncProducer
+from pagestream.producer.gateway.auth import KeyTable
 from pagestream.producer.gateway.metrics import GatewayMetrics
 from pagestream.producer.gateway.settings import GatewaySettings
 
@@ -23,6 +24,7 @@ class GatewayState:
     def __init__(self, settings: GatewaySettings, producer: AsyncProducer) -> None:
         self.settings = settings
         self.producer = producer
+        self.keys = KeyTable(settings.key_specs())
         self.metrics = GatewayMetrics()
         self._background: set[asyncio.Task] = set()
         # set by app.py once the state exists (each takes the state)

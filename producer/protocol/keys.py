@@ -174,3 +174,19 @@ def file_hash(file_id: str) -> str:
 def files_index() -> str:
     """Sorted set of file ids by creation time."""
     return f"{PREFIX}:files"
+
+
+# ---- tenants (producer.protocol.tenants: who owns a file or a batch) ----
+def tenant_files_index(tenant: str) -> str:
+    """Sorted set of one tenant's file ids by creation time (its ``/v1/files`` list, paginated from it)."""
+    return f"{PREFIX}:files:t:{{{tenant}}}"
+
+
+def tenant_bulks_index(tenant: str) -> str:
+    """Sorted set of one tenant's batch (bulk) ids by creation time (its ``/v1/batches`` list)."""
+    return f"{PREFIX}:bulks:t:{{{tenant}}}"
+
+
+def file_tombstone(file_id: str) -> str:
+    """Marks a deleted file so nothing (a batch's manifest) registers it again."""
+    return f"{PREFIX}:file:{{{file_id}}}:deleted"

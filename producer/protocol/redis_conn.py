@@ -35,6 +35,25 @@ def outage_retry(outage_s: float | None = None) -> Retry:
     return Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=0.05), ramp + math.ceil(outage_s / BACKOFF_CAP_S))
 
 
+class Backoff:
+    """The pause before the next retry after consecutive failures: ``base``, doubling each time, at most
+    ``cap`` (redis-py's ``ExponentialBackoff``); ``reset`` after a success. Every retry loop of the
+    worker (the run loop, pulls, the publisher, bulk part writes) counts its failures with one."""
+
+    def __init__(self, base: float, cap: float) -> None:
+        self._policy = ExponentialBackoff(cap=cap, base=base)
+        self.failures = 0
+
+    def next(self) -> float:
+        """Count one more failure; the seconds to wait before trying again."""
+        delay = self._policy.compute(self.failures)
+        self.failures += 1
+        return delay
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
 def same_server(conn: redis.Redis, *, decode_responses: bool, retry: Retry | None = None) -> redis.Redis:
     """A new client on ``conn``'s server and db, decoding or not (RQ wants bytes, our helpers str),
     with ``retry`` instead of ``conn``'s own policy when given."""

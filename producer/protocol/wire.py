@@ -40,22 +40,24 @@ def end_fields(status: str) -> dict[str, str]:
     return {TYPE_FIELD: END_TYPE, "status": status}
 
 
-def _s(v: bytes | str) -> str:
-    return v.decode("utf-8") if isinstance(v, bytes) else v
+def as_str(v: Any, errors: str = "strict") -> Any:
+    """A Redis reply value as text: bytes decoded as UTF-8 (``errors`` as for ``bytes.decode``),
+    anything else (str, None, a number) as it is. The one helper every reader of a reply uses."""
+    return v.decode("utf-8", errors) if isinstance(v, bytes) else v
 
 
 def is_end_entry(fields: dict) -> bool:
     """Whether an out-stream entry's fields (bytes or str keys) are the job's ``end`` entry."""
     t = fields.get(_TYPE_FIELD_B, fields.get(TYPE_FIELD))
-    return t is not None and _s(t) == END_TYPE
+    return t is not None and as_str(t) == END_TYPE
 
 
 def decode_out_entry(job_id: str, fields: dict) -> TokenEvent | str:
     """A TokenEvent, or the final status (str) for the ``end`` entry."""
-    f = {_s(k): v for k, v in fields.items()}
+    f = {as_str(k): v for k, v in fields.items()}
     if is_end_entry(f):
-        return _s(f.get("status", b""))
-    ev = json.loads(_s(f["ev"]))
+        return as_str(f.get("status", b""))
+    ev = json.loads(as_str(f["ev"]))
     return TokenEvent(
         job_id=job_id, sample=ev["s"], index=ev["i"], token_ids=ev["t"], text=ev["x"], finish_reason=ev.get("f"),
         logprobs=ev.get("l"),

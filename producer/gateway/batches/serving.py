@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
 import redis
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from starlette.datastructures import UploadFile
 
 from pagestream.producer.bulk.batches import FileStore, cancel_batch, create_batch, get_batch, list_batches
@@ -23,8 +24,10 @@ from pagestream.producer.gateway.protocol import first_error_loc
 from pagestream.producer.gateway.state import GatewayState
 from pagestream.producer.protocol.redis_conn import connect
 from pagestream.producer.protocol.schema import format_validation_error
+from pagestream.producer.protocol.tenants import Tenant
 
 MAX_LIST_LIMIT = 10_000
+_LIMIT = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit also accepts '²', which int() refuses
 
 
 class BatchCreate(BaseModel):
@@ -33,14 +36,16 @@ class BatchCreate(BaseModel):
     input_file_id: str = Field(min_length=1, max_length=128)
     endpoint: str
     completion_window: str
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512
+    metadata: dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]] | None = (
+        Field(None, max_length=16))
 
 
 def list_limit(request: Request, default: int) -> int:
     raw = request.query_params.get("limit")
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+    if not _LIMIT.fullmatch(raw) or not 1 <= int(raw) <= MAX_LIST_LIMIT:
         raise GatewayError(400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}", param="limit")
     return int(raw)
 
@@ -71,7 +76,7 @@ class OpenAIServingBatches:
 
     # -- files ------------------------------------------------------------------------------
 
-    async def upload(self, request: Request) -> dict[str, Any]:
+    async def upload(self, request: Request, tenant: Tenant) -> dict[str, Any]:
         limit = self.settings.max_file_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit + 64 * 1024:  # room for the form around the file
@@ -88,51 +93,65 @@ class OpenAIServingBatches:
                 raise GatewayError(422, "the form needs a 'purpose' field", param="purpose")
             if upload.size is not None and upload.size > limit:
                 raise GatewayError(413, f"file is larger than {limit} bytes", code="file_too_large")
-            return await asyncio.to_thread(self._store, upload, purpose)
+            return await asyncio.to_thread(self._store, upload, purpose, tenant)
         finally:
             await form.close()
 
-    def _store(self, upload: UploadFile, purpose: str) -> dict[str, Any]:
+    def _store(self, upload: UploadFile, purpose: str, tenant: Tenant) -> dict[str, Any]:
         fd, path = tempfile.mkstemp(prefix="pagestream-upload-")
         try:
             with os.fdopen(fd, "wb") as out:
                 upload.file.seek(0)
                 shutil.copyfileobj(upload.file, out)
-            return self.files.create(path, upload.filename or "upload.jsonl", purpose)
+            return self.files.create(path, upload.filename or "upload.jsonl", purpose, tenant.name)
         finally:
             os.unlink(path)
 
-    async def list_files(self, request: Request) -> dict[str, Any]:
+    async def list_files(self, request: Request, tenant: Tenant) -> dict[str, Any]:
         q = request.query_params
-        return await asyncio.to_thread(self.files.list, q.get("purpose"), list_limit(request, MAX_LIST_LIMIT), q.get("after"))
+        return await asyncio.to_thread(self.files.list, q.get("purpose"), list_limit(request, MAX_LIST_LIMIT), q.get("after"),
+                                       tenant)
 
-    async def get_file(self, file_id: str) -> dict[str, Any]:
-        return await asyncio.to_thread(self.files.get, file_id)
+    async def get_file(self, file_id: str, tenant: Tenant) -> dict[str, Any]:
+        return await asyncio.to_thread(self.files.get, file_id, tenant)
 
-    async def file_content(self, file_id: str) -> Iterator[bytes]:
-        await asyncio.to_thread(self.files.record, file_id)  # a missing file is a 404 before the body starts
-        return self.files.content(file_id)
+    async def file_content(self, file_id: str, tenant: Tenant) -> Iterator[bytes]:
+        """The content's chunks, the first one read before the headers go out: a missing file, or data
+        gone from the storage, is a 404, never a 200 and then nothing."""
+        chunks = self.files.content(file_id, tenant)
+        try:
+            first = await asyncio.to_thread(next, chunks, b"")
+        except FileNotFoundError:
+            raise GatewayError(404, f"the content of file '{file_id}' is no longer stored", param="file_id",
+                               code="not_found") from None
 
-    async def delete_file(self, file_id: str) -> dict[str, Any]:
-        return await asyncio.to_thread(self.files.delete, file_id)
+        def body() -> Iterator[bytes]:
+            yield first
+            yield from chunks
+
+        return body()
+
+    async def delete_file(self, file_id: str, tenant: Tenant) -> dict[str, Any]:
+        return await asyncio.to_thread(self.files.delete, file_id, tenant)
 
     # -- batches ----------------------------------------------------------------------------
 
-    async def create_batch(self, data: dict[str, Any]) -> dict[str, Any]:
+    async def create_batch(self, data: dict[str, Any], tenant: Tenant) -> dict[str, Any]:
         try:
             body = BatchCreate.model_validate(data)
         except ValidationError as exc:
             raise GatewayError(422, format_validation_error(exc), param=first_error_loc(exc)) from None
         return await asyncio.to_thread(
             create_batch, self.conn, self.files, input_file_id=body.input_file_id, endpoint=body.endpoint,
-            completion_window=body.completion_window, metadata=body.metadata, queue_name=self.settings.bulk_queue)
+            completion_window=body.completion_window, metadata=body.metadata, queue_name=self.settings.bulk_queue,
+            tenant=tenant)
 
-    async def list_batches(self, request: Request) -> dict[str, Any]:
+    async def list_batches(self, request: Request, tenant: Tenant) -> dict[str, Any]:
         return await asyncio.to_thread(list_batches, self.conn, self.files, list_limit(request, 20),
-                                       request.query_params.get("after"))
+                                       request.query_params.get("after"), tenant)
 
-    async def get_batch(self, batch_id: str) -> dict[str, Any]:
-        return await asyncio.to_thread(get_batch, self.conn, self.files, batch_id)
+    async def get_batch(self, batch_id: str, tenant: Tenant) -> dict[str, Any]:
+        return await asyncio.to_thread(get_batch, self.conn, self.files, batch_id, tenant)
 
-    async def cancel_batch(self, batch_id: str) -> dict[str, Any]:
-        return await asyncio.to_thread(cancel_batch, self.conn, self.files, batch_id)
+    async def cancel_batch(self, batch_id: str, tenant: Tenant) -> dict[str, Any]:
+        return await asyncio.to_thread(cancel_batch, self.conn, self.files, batch_id, tenant)

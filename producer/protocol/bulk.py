@@ -1,0 +1,174 @@
+"""The bulk hash ``ps:bulk:{<id>}``: its fields, its status enum, the spec it stores, and its Lua.
+
+This module alone spells the hash's field names (``tests/test_layout.py`` checks it). The bulk
+API and orchestrator (producer.bulk), the gateway's batches and the worker's bulk sink and gate
+read and write it with these names and scripts.
+"""
+from __future__ import annotations
+
+import json
+import time
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from pagestream.producer.protocol.schema import Lane
+from pagestream.producer.protocol.wire import as_str
+
+#: how boto3 addresses a bucket: "path" for most MinIO / moto set-ups, "virtual" for AWS
+AddressingStyle = Literal["auto", "virtual", "path"]
+
+
+class BulkField:
+    """The field names of the bulk hash."""
+
+    SPEC = "spec"  # the BulkSpec JSON
+    STATUS = "status"  # a BulkStatus value
+    CREATED_AT = "created_at"
+    FINISHED_AT = "finished_at"
+    ERROR = "error"
+    RQ_JOB_ID = "rq_job_id"
+    RESTARTS = "restarts"
+    HEARTBEAT_AT = "heartbeat_at"
+    CANCEL_REQUESTED = "cancel_requested"
+    # the feed's checkpoint
+    LINE = "line"
+    OFFSET = "offset"
+    INPUT_DONE = "input_done"
+    ENDPOINT = "endpoint"
+    TENANT = "tenant"  # who created it through the gateway (producer.protocol.tenants); absent: made outside it
+    # counts
+    SUBMITTED = "submitted"
+    INVALID = "invalid"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    # the bulk sink's part-write errors
+    SINK_ERROR = "sink_error"
+    SINK_ERROR_PERMANENT = "sink_error_permanent"
+    # finalize
+    FINALIZE_PARTS = "finalize_parts"
+    FINAL_STATUS = "final_status"
+    FINAL_COUNTS = "final_counts"
+    MANIFEST = "manifest"
+
+
+B = BulkField
+#: every field of the bulk hash
+FIELDS: tuple[str, ...] = tuple(v for k, v in vars(BulkField).items() if k.isupper())
+
+
+class BulkStatus(str, Enum):
+    """OpenAI Batch statuses."""
+
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (BulkStatus.COMPLETED, BulkStatus.FAILED, BulkStatus.CANCELLED, BulkStatus.EXPIRED)
+
+
+class BulkSpec(BaseModel):
+    """What a bulk was asked to do; stored as JSON in the status hash's ``spec`` field."""
+
+    # becomes part of key names, a hash tag and every job id: no braces, no whitespace
+    bulk_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,63}$")
+    input: str
+    output: str
+    model: str | None = None
+    lane: Lane = Lane.LOW
+    shard_lines: int = Field(10_000, ge=1)
+    max_outstanding: int = Field(2_048, ge=1)
+    completion_window_s: float | None = Field(None, gt=0)
+    # where the bulk's S3 objects are, for every process that touches them (never credentials)
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_addressing_style: AddressingStyle | None = None
+    job_result_ttl_s: int = Field(3_600, ge=1)
+    created_at: float = Field(default_factory=time.time)
+    # set by the gateway's /v1/batches: what OpenAI's Batch object reports (producer.bulk.batches)
+    endpoint: str | None = None  # lines with another url become error lines
+    input_file_id: str | None = None
+    metadata: dict[str, str] | None = None
+
+
+def decode(raw: dict) -> dict[str, str]:
+    """An HGETALL reply of the bulk hash as text."""
+    return {as_str(k): as_str(v) for k, v in raw.items()}
+
+
+def request_counts(state: dict[str, Any]) -> dict[str, int]:
+    """OpenAI's ``request_counts`` from a status hash: input lines, done OK, failed (bad lines included)."""
+    if state.get(B.FINAL_COUNTS):
+        return json.loads(state[B.FINAL_COUNTS])
+    invalid = int(state.get(B.INVALID, 0) or 0)
+    submitted = int(state.get(B.SUBMITTED, 0) or 0)
+    return {
+        "total": submitted + invalid,
+        "completed": int(state.get(B.COMPLETED, 0) or 0),
+        "failed": int(state.get(B.FAILED, 0) or 0) + invalid,
+    }
+
+
+def read_status(conn: Any, bulk_hash: str) -> BulkStatus | None:
+    """The bulk's status (None: no such bulk)."""
+    raw = conn.hget(bulk_hash, B.STATUS)
+    return BulkStatus(as_str(raw)) if raw is not None else None
+
+
+def is_live(conn: Any, bulk_hash: str) -> bool:
+    """False once a bulk is final or cancelling: a worker may skip (or drop results of) its queued jobs."""
+    st = read_status(conn, bulk_hash)
+    return st is not None and not (st.is_final or st == BulkStatus.CANCELLING)
+
+
+_FINAL = " or ".join(f"st == '{s.value}'" for s in BulkStatus if s.is_final)
+
+# KEYS: lease, status hash. ARGV: token, lease ms. An expired lease (Redis was away longer than
+# the lease) is taken back only if nobody took it and the bulk is not final.
+REFRESH_LEASE_LUA = f"""
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if holder then return 0 end
+local st = redis.call('HGET', KEYS[2], '{B.STATUS}')
+if {_FINAL} then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS: bulk hash, done set. ARGV: custom_id, ok(1/0), custom_id, ok, ... Each custom_id is
+# counted once (the done set), as completed or failed, when its part is durable (worker.bulk_sink).
+COUNT_LUA = f"""
+local completed, failed = 0, 0
+for i = 1, #ARGV, 2 do
+  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
+    if ARGV[i + 1] == '1' then completed = completed + 1 else failed = failed + 1 end
+  end
+end
+if completed > 0 then redis.call('HINCRBY', KEYS[1], '{B.COMPLETED}', completed) end
+if failed > 0 then redis.call('HINCRBY', KEYS[1], '{B.FAILED}', failed) end
+return {{completed, failed}}
+"""
+
+# KEYS: bulk hash, done set. ARGV: custom_ids. Counted only while the bulk is cancelling:
+# a final bulk has dropped its done set, and SADD would bring it back without a TTL.
+SKIP_LUA = f"""
+if redis.call('HGET', KEYS[1], '{B.STATUS}') ~= '{BulkStatus.CANCELLING.value}' then return 0 end
+local n = 0
+for i = 1, #ARGV do
+  n = n + redis.call('SADD', KEYS[2], ARGV[i])
+end
+if n > 0 then redis.call('HINCRBY', KEYS[1], '{B.SKIPPED}', n) end
+return n
+"""
