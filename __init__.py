@@ -16,6 +16,7 @@ _EXPORTS = {
     "LLMEngine": "pagestream.engine",
     "EngineConfig": "pagestream.engine",
     "SamplingParams": "pagestream.engine",
+    "StructuredOutputsParams": "pagestream.engine",
     "Producer": "pagestream.producer",
     "AsyncProducer": "pagestream.producer",
     "JobRequest": "pagestream.producer",
@@ -27,7 +28,7 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from pagestream.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+    from pagestream.engine import LLM, EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
     from pagestream.producer import AsyncProducer, JobRequest, JobResult, JobStatus, Lane, Producer
 
 

@@ -10,8 +10,9 @@ Importing this package pulls in no torch; ``LLM`` and ``LLMEngine`` load it when
 from pagestream.engine.config import EngineConfig
 from pagestream.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagestream.engine.sampling_params import SamplingParams
+from pagestream.engine.structured_output.params import StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineStats"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineStats"]
 
 
 def __getattr__(name: str):

@@ -66,7 +66,8 @@ def _core_engine_class():
                 _, new_ids, lps = self._take_new(req, i)
                 comps.append(SampleDelta(i, new_ids, req.cumulative_logprob[i] if lps is not None else None, lps,
                                          seq.finish_reason, seq.stop_reason))
-            return RequestDelta(req.rid, req.finished, None, self._final_metrics(req) or None, comps)
+            error = None if req.error is None else EngineCoreError(ErrorType.REQUEST, req.error)
+            return RequestDelta(req.rid, req.finished, error, self._final_metrics(req) or None, comps)
 
     return CoreEngine
 

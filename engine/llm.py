@@ -108,6 +108,7 @@ class LLM:
                     c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
                 acc.finished = delta.finished
                 acc.metrics = delta.metrics
+                acc.error = delta.error or acc.error  # e.g. a grammar that cannot compile
                 if delta.finished:
                     done.add(delta.request_id)
                     if bar is not None:

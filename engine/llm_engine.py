@@ -38,6 +38,7 @@ class _Request:
     reported: list[int] = field(default_factory=list)
     pending_logprobs: list[list[dict[int, float]]] = field(default_factory=list)
     cumulative_logprob: list[float] = field(default_factory=list)
+    error: str | None = None  # why the request ended without output (a grammar that cannot compile)
 
     @property
     def finished(self) -> bool:
@@ -81,6 +82,10 @@ class LLMEngine:
         # Live requests whose sampling reads the token history (penalties): while any
         # runs, each step waits for the one before it (see step()).
         self._num_history_requests = 0
+        # structured outputs: the manager (made on the first constrained request) and the requests
+        # whose grammar is still compiling, held out of the scheduler so nobody else waits for them
+        self._structured = None
+        self._awaiting_grammar: dict[str, _Request] = {}
         self.runner.warm_up()
         freeze_startup_heap()
 
@@ -134,9 +139,71 @@ class LLMEngine:
         req.pending_logprobs = [[] for _ in range(params.n)]
         req.cumulative_logprob = [0.0] * params.n
         self._requests[request_id] = req
-        self._num_history_requests += params.uses_penalties
+        self._num_history_requests += self._reads_history(params)
+        if params.structured_outputs is not None:
+            self.structured_outputs.add_request(request_id, params.structured_outputs)
+            self._awaiting_grammar[request_id] = req
+            return
         for seq in seqs:
             self.scheduler.add(seq)
+
+    @staticmethod
+    def _reads_history(params: SamplingParams) -> bool:
+        # penalties read the token history, and a grammar's mask needs the tokens before it: both
+        # run their steps synchronously (the mask is filled on the host before the sampler runs)
+        return params.uses_penalties or params.structured_outputs is not None
+
+    @property
+    def structured_outputs(self):
+        """The grammars of this engine (xgrammar), made on first use."""
+        if self._structured is None:
+            from pagestream.engine.structured_output.manager import StructuredOutputManager
+
+            self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
+                                                       stop_token_ids=sorted(self.eos_token_ids))
+            self.runner.sampler.grammar_rows = self._grammar_rows
+        return self._structured
+
+    def _grammar_rows(self, seqs: list[Sequence]):
+        """The step's bitmask for the constrained ones among ``seqs`` (their matchers brought to the
+        output they hold: after a preemption or a resume that is a re-advance, else a no-op)."""
+        manager = self._structured
+        rows = None
+        for i, seq in enumerate(seqs):
+            if seq.params.structured_outputs is None:
+                continue
+            if rows is None:
+                rows = [None] * len(seqs)
+            g = manager.grammar(seq.seq_id, seq.request_id)
+            out = seq.token_ids[seq.num_prompt_tokens:]
+            if g.num_processed_tokens != len(out) or (out and g.accepted[-1] != out[-1]):
+                if not g.advance_to(out):
+                    logger.warning("request %s: output tokens do not conform to its grammar", seq.request_id)
+            rows[i] = None if g.is_terminated() else g
+        if rows is None:
+            return None
+        return manager.fill_bitmask(rows)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Move requests whose grammar compiled into the scheduler; end those whose cannot with its error."""
+        failed = []
+        for rid, req in list(self._awaiting_grammar.items()):
+            try:
+                if not self._structured.is_ready(rid):
+                    continue
+            except ValueError as exc:
+                del self._awaiting_grammar[rid]
+                for seq in req.seqs:  # the scheduler ends them, as it ends every sequence
+                    self.scheduler.add(seq)
+                    self.scheduler.finish(seq, "abort")
+                req.error = str(exc)
+                failed.append(self._make_output(req))
+                self._forget(req)
+                continue
+            del self._awaiting_grammar[rid]
+            for seq in req.seqs:
+                self.scheduler.add(seq)
+        return failed
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.inputs.chat_token_ids(messages)
@@ -149,6 +216,7 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None:
             return False
+        self._awaiting_grammar.pop(request_id, None)
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
         self._aborted_outputs.append(self._make_output(req))
@@ -168,7 +236,11 @@ class LLMEngine:
 
     def _forget(self, req: _Request) -> None:
         del self._requests[req.request_id]
-        self._num_history_requests -= req.params.uses_penalties
+        self._num_history_requests -= self._reads_history(req.params)
+        if req.params.structured_outputs is not None and self._structured is not None:
+            self._structured.free_request(req.request_id)
+            for seq in req.seqs:
+                self._structured.free_sequence(seq.seq_id)
 
     # ---- the step ------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -195,6 +267,8 @@ class LLMEngine:
         sampling reads the host's token history), step N is read before N+1 is planned.
         """
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        if self._awaiting_grammar:
+            outputs += self._admit_compiled()
         prev = self._in_flight
         self._in_flight = None
         if prev is not None and (not self.config.async_scheduling or self._num_history_requests):
@@ -256,6 +330,9 @@ class LLMEngine:
             return
         num_tokens = len(seq.token_ids)
         num_output = num_tokens - seq.num_prompt_tokens
+        if p.structured_outputs is not None and self._grammar_terminated(seq, token):
+            self.scheduler.finish(seq, "stop", None)
+            return
         if num_output >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 self.scheduler.finish(seq, "stop", None)
@@ -265,6 +342,15 @@ class LLMEngine:
                 return
         if (p.max_tokens is not None and num_output >= p.max_tokens) or num_tokens >= self.config.max_model_len:
             self.scheduler.finish(seq, "length")
+
+    def _grammar_terminated(self, seq: Sequence, token: int) -> bool:
+        """The grammar took ``token`` as its end (a stop token after a complete match): the request is done
+        whatever ignore_eos says, since nothing more can follow."""
+        g = self._structured.grammar(seq.seq_id, seq.request_id)
+        out = seq.token_ids[seq.num_prompt_tokens:]
+        if g.num_processed_tokens == len(out) - 1 and g.accept_tokens([token]):
+            return g.is_terminated()
+        return g.is_terminated()
 
     def _take_new(self, req: _Request, i: int) -> tuple[int, list[int], list[dict[int, float]] | None]:
         """Sample i's output tokens (and logprobs) not reported yet: (index of the first, ids, logprobs)."""
@@ -298,12 +384,15 @@ class LLMEngine:
                 )
             )
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
-                             metrics=self._final_metrics(req))
+                             error=req.error, metrics=self._final_metrics(req))
 
     # ---- stats ----------------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        so = self._structured.stats() if self._structured is not None else {}
         return EngineStats(
+            structured_compilations=so.get("structured_compilations", 0),
+            structured_cache_hits=so.get("structured_cache_hits", 0),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_free_blocks=bm.num_free_blocks,

@@ -55,6 +55,9 @@ class EngineStats:
     # the last admission stopped on the KV pool (or a preemption), not on the step's token budget:
     # more requests would only wait in this engine
     kv_bound: bool = False
+    # structured outputs: grammars compiled, and requests that found theirs compiled already
+    structured_compilations: int = 0
+    structured_cache_hits: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -83,23 +83,41 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._seeded = torch.Generator(device=device)
+        # structured outputs: the engine's function giving a step's (bitmask, constrained rows) for its
+        # sampled sequences, or None when no row is constrained (set by LLMEngine)
+        self.grammar_rows = None
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 grammar_bitmask: tuple[torch.Tensor, list[int]] | None = None) -> DeviceSample:
         """Sample one token per row without waiting for the device.
 
         A sequence's next output index is ``num_planned_output_tokens`` (its token
         from the step still in flight counts). Penalties read the token history on
         the host, so the engine runs steps with penalised sequences synchronously.
+
+        ``grammar_bitmask`` (structured outputs): (bitmask [num_seqs, words] int32, the rows it
+        constrains); those rows' forbidden tokens get -inf before any other sampler step, so
+        temperature, top-k/p, min-p, penalties and seeds all draw from the allowed tokens.
+        Logprobs report the model's distribution before the mask (as vLLM's raw logprobs).
         """
         # logits: [num_seqs, vocab] float32 (the model's raw output for each row's last position)
+        if grammar_bitmask is None and self.grammar_rows is not None:
+            grammar_bitmask = self.grammar_rows(seqs)
+        masked = grammar_bitmask is not None and bool(grammar_bitmask[1])
         if self._plain_greedy(seqs):
+            if masked:
+                logits = logits[:, : self.vocab_size].float()
+                self._apply_grammar(logits, grammar_bitmask)
             return DeviceSample(self.greedy(logits), [None] * len(seqs))
         params = [s.params for s in seqs]
         logprob_k = [p.logprobs for p in params]
         want_logprobs = any(k is not None for k in logprob_k)
         logits = logits[:, : self.vocab_size].float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if masked:
+            logits = logits.clone() if want_logprobs else logits
+            self._apply_grammar(logits, grammar_bitmask)
 
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), seqs)
@@ -121,6 +139,12 @@ class Sampler:
         """The all-greedy batch's tokens: argmax in the model's dtype picks the same token as in fp32
         (the conversion is exact and keeps order), without an fp32 copy of every row's logits."""
         return kernel_ops(logits.device).argmax(logits[:, : self.vocab_size])
+
+    def _apply_grammar(self, logits: torch.Tensor, grammar_bitmask: tuple[torch.Tensor, list[int]]) -> None:
+        from pagestream.engine.structured_output.bitmask import apply_bitmask
+
+        bitmask, rows = grammar_bitmask
+        apply_bitmask(logits, bitmask, rows, self.vocab_size)
 
     @staticmethod
     def _plain_greedy(seqs: list[Sequence]) -> bool:

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from pagestream.engine.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 
@@ -35,6 +38,9 @@ class SamplingParams:
     # "final": one output when the request ends (LLM.generate), so a step does no
     # per-token detokenization or output building for it (stop strings still checked live)
     output_kind: str = "delta"
+    # constrain the output to a JSON schema, JSON object, regex, choice or grammar (a dict is
+    # taken as StructuredOutputsParams' fields, as the queue's job schema carries it)
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     _stop_strs: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -42,6 +48,11 @@ class SamplingParams:
             self.stop = [self.stop]
         self._stop_strs = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
+                             f"got {type(self.structured_outputs).__name__}")
         self._verify()
 
     def _verify(self) -> None:

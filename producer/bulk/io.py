@@ -61,6 +61,9 @@ class RequestBody(BaseModel):
     # chat: ``logprobs: true`` + ``top_logprobs: k``; completions: ``logprobs: k`` (``logprobs_k`` reads them per url)
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
+    # structured outputs (issue 23): OpenAI's response_format, vLLM's structured_outputs; the job schema checks them
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -119,6 +122,8 @@ class RequestBody(BaseModel):
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
+            "response_format": self.response_format,
+            "structured_outputs": self.structured_outputs,
         }
         return {k: v for k, v in out.items() if v is not None}
 

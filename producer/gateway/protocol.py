@@ -67,6 +67,34 @@ class OpenAIRequest(BaseModel):
         if self.allowed_token_ids is not None:
             raise RequestError("allowed_token_ids is not applied by this engine yet", param="allowed_token_ids")
 
+    # ---- structured outputs (issue 23; owned by the structured-outputs work, kept apart) ----
+    # OpenAI's response_format (text / json_object / json_schema) and vLLM's structured_outputs
+    # extra field, both checked by the job schema (bad schema or regex: 400 naming it); vLLM's
+    # removed guided_* fields are declared so they answer 400 naming their replacement, never ignored
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_json_object: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+
+    def structured_fields(self) -> dict[str, Any]:
+        from pagestream.producer.protocol.structured import GUIDED_REPLACEMENTS
+
+        for name, replacement in GUIDED_REPLACEMENTS.items():
+            if getattr(self, name, None) is not None:
+                raise RequestError(f"{name} was removed (as in vLLM); use {replacement}", param=name)
+        fields: dict[str, Any] = {}
+        if self.response_format is not None:
+            fields["response_format"] = self.response_format
+        if self.structured_outputs is not None:
+            fields["structured_outputs"] = self.structured_outputs
+        return fields
+    # ---- end of structured outputs ----
+
     def sampling(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in _SAMPLING if getattr(self, f) is not None}
 
@@ -101,7 +129,8 @@ class OpenAIRequest(BaseModel):
     def to_jobs(self, job_ids: list[str]) -> list[JobRequest]:
         """The jobs this request becomes (raises ``pydantic.ValidationError`` for out-of-range values)."""
         self.refuse_unsupported()
-        common = {"model": self.model, **self.sampling(), "return_prompt_token_ids": self.return_token_ids}
+        common = {"model": self.model, **self.sampling(), **self.structured_fields(),
+                  "return_prompt_token_ids": self.return_token_ids}
         return [JobRequest.model_validate({"job_id": job_id, **common, **fields})
                 for job_id, fields in zip(job_ids, self.job_fields(), strict=True)]
 

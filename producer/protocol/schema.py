@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_serializer, model_validator
 
 from pagestream.producer.protocol.limits import job_limits
+from pagestream.producer.protocol.structured import StructuredOutputs, from_response_format
 from pagestream.producer.protocol.untrusted import UntrustedJSONError, check_json_tree
 
 #: bump when a change to JobRequest/TokenEvent/JobResult is not backward compatible
@@ -110,6 +111,20 @@ class SamplingOptions(BaseModel):
     include_stop_str_in_output: bool = False
     # per output token: the sampled token's logprob and this many most likely alternatives (0: none)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # constrain the output (JSON schema, JSON object, regex, choice, grammar); OpenAI's
+    # response_format is taken too and travels as the structured_outputs it means
+    structured_outputs: StructuredOutputs | None = None
+    response_format: dict[str, Any] | None = Field(None, exclude=True)
+
+    @model_validator(mode="after")
+    def _response_format(self) -> SamplingOptions:
+        if self.response_format is not None:
+            constraint = from_response_format(self.response_format)
+            if constraint is not None and self.structured_outputs is not None:
+                raise ValueError("give response_format or structured_outputs, not both")
+            self.structured_outputs = self.structured_outputs or constraint
+            self.response_format = None
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -1,0 +1,123 @@
+"""The engine's side of structured outputs: compile a request's constraint when it arrives,
+tell the scheduler whether its grammar is ready (a request waits for it without holding
+any other back), keep one matcher per sequence (each of ``n`` samples walks the grammar on
+its own) and build a step's bitmask for the rows that are constrained.
+
+Nothing here runs on the device: ``fill_bitmask`` writes a host tensor the sampler applies.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagestream.engine.structured_output.backend_xgrammar import StructuredOutputError, XgrammarBackend
+from pagestream.engine.structured_output.bitmask import allocate_bitmask
+from pagestream.engine.structured_output.grammar import StructuredOutputGrammar
+from pagestream.engine.structured_output.params import StructuredOutputsParams
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: Future
+    submitted: float  # time.monotonic() of the submit: the compile timeout counts from here
+
+
+class StructuredOutputManager:
+    """Grammars of one engine. The xgrammar backend (its tokenizer table takes ~0.2 s to build)
+    is made on the first constrained request, so an engine that never sees one pays nothing."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, *, stop_token_ids: list[int] | None = None,
+                 max_threads: int = 4, cache_size: int = 256, compile_timeout_s: float = 60.0) -> None:
+        self._backend_args = dict(stop_token_ids=stop_token_ids, max_threads=max_threads, cache_size=cache_size,
+                                  compile_timeout_s=compile_timeout_s)
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._backend: XgrammarBackend | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._compiled: dict[str, Any] = {}
+        self._grammars: dict[str, StructuredOutputGrammar] = {}  # seq_id -> matcher
+        self._bitmask: torch.Tensor | None = None
+
+    @property
+    def backend(self) -> XgrammarBackend:
+        if self._backend is None:
+            self._backend = XgrammarBackend(self._tokenizer, self.vocab_size, **self._backend_args)
+        return self._backend
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
+        """Start compiling (or take the cached grammar); returns at once."""
+        self._pending[request_id] = _Pending(self.backend.submit(params), time.monotonic())
+
+    def is_ready(self, request_id: str) -> bool:
+        """True once the grammar is compiled; False while it compiles. Raises
+        ``StructuredOutputError`` (the compiler's message, or the timeout) when it cannot be:
+        the engine finishes that request with the error and carries on."""
+        if request_id in self._compiled:
+            return True
+        pending = self._pending.get(request_id)
+        if pending is None:
+            raise KeyError(f"request {request_id!r} has no structured output")
+        backend = self.backend
+        if not pending.future.done():
+            if time.monotonic() - pending.submitted < backend.compile_timeout_s:
+                return False
+            del self._pending[request_id]
+            raise StructuredOutputError(f"the grammar did not compile within {backend.compile_timeout_s:g} s")
+        del self._pending[request_id]
+        self._compiled[request_id] = backend.result(pending.future)  # raises the compile error
+        return True
+
+    def grammar(self, seq_id: str, request_id: str) -> StructuredOutputGrammar:
+        """The sequence's matcher, made from its request's compiled grammar on first use."""
+        g = self._grammars.get(seq_id)
+        if g is None:
+            compiled = self._compiled.get(request_id)
+            if compiled is None:
+                raise RuntimeError(f"request {request_id!r}: grammar used before is_ready() said so")
+            g = self._grammars[seq_id] = StructuredOutputGrammar(self.backend.matcher(compiled), self.vocab_size)
+        return g
+
+    def free_sequence(self, seq_id: str) -> None:
+        self._grammars.pop(seq_id, None)
+
+    def free_request(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        self._compiled.pop(request_id, None)
+
+    # ---- the step's mask -------------------------------------------------------------------------
+
+    def fill_bitmask(self, rows: Sequence[StructuredOutputGrammar | None]) -> tuple[torch.Tensor, list[int]]:
+        """The bitmask of one step: row i from ``rows[i]``'s matcher, unconstrained rows (None) left
+        all-allowed and not listed. Returns (bitmask [len(rows), words] int32 host, constrained row
+        indices). The tensor is reused across steps: apply it before the next call."""
+        n = len(rows)
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = allocate_bitmask(max(n, 2 * (0 if self._bitmask is None else self._bitmask.shape[0])),
+                                             self.vocab_size)
+        bitmask = self._bitmask[:n]
+        constrained = []
+        for i, g in enumerate(rows):
+            if g is not None:
+                g.fill_bitmask(bitmask, i)
+                constrained.append(i)
+        return bitmask, constrained
+
+    def stats(self) -> dict[str, float]:
+        s = self._backend.stats if self._backend is not None else None
+        return {
+            "structured_compilations": s.compilations if s else 0,
+            "structured_cache_hits": s.cache_hits if s else 0,
+            "structured_compile_errors": s.compile_errors if s else 0,
+            "structured_compile_s": s.compile_s if s else 0.0,
+        }
+
+    def shutdown(self) -> None:
+        if self._backend is not None:
+            self._backend.shutdown()
