@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from pagestream.engine.config import engine_knobs
 from pagestream.producer.protocol import keys
 from pagestream.worker import cli
-from pagestream.worker.serve_cli import worker_ready
+from pagestream.worker.readiness import worker_ready
 from private_redis import free_port
 from queue_helpers import ROOT, wait_for
 from test_gateway import DB_URL

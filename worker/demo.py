@@ -94,7 +94,7 @@ def main() -> None:
     url, embedded = ensure_redis()
     model = ensure_smollm2()
     from pagestream.producer.protocol.redis_conn import connect
-    from pagestream.worker.serve_cli import wait_ready
+    from pagestream.worker.readiness import wait_ready
 
     consumer = f"demo-{os.getpid()}"
     print(f"[demo] redis {redact_url(url)}, model {model}")

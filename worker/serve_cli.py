@@ -19,21 +19,17 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import IO, Optional
 
 import typer
 
 from pagestream.producer.gateway.cli import ApiKeys, Host, MaxQueueDepth, Port, RedisUrl, gateway_settings
-from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.redaction import install_log_redaction, redact_url
 from pagestream.worker.engine_options import engine_flags, with_engine_options
+from pagestream.worker.readiness import wait_ready
 
 #: how long a worker may take to load its model before ``serve`` gives up
-READY_TIMEOUT_S = 900.0
-
-
 def resolve_model(model: str) -> str:
     """A local directory as given, ``fake[:ms]``, or a hub id found in the local Hugging Face cache."""
     if model == "fake" or model.startswith("fake:") or Path(model).expanduser().is_dir():
@@ -45,29 +41,6 @@ def resolve_model(model: str) -> str:
     except Exception as exc:  # not a directory, not in the cache, or no huggingface_hub
         raise typer.BadParameter(f"{model!r} is neither a model directory nor a hub id in the local Hugging Face cache ({exc})",
                                  param_hint="MODEL") from None
-
-
-def worker_ready(client, consumer: str, model: str | None, now_s: float | None = None) -> bool:
-    """Whether worker ``consumer`` runs its loop (its heartbeat hash exists) and, when it serves
-    ``model``, has announced it (an unexpired entry in the model registry)."""
-    if not client.exists(keys.worker_hash(consumer)):
-        return False
-    if model is None:
-        return True
-    until_ms = client.zscore(keys.model_registry(), model)
-    now_ms = (now_s if now_s is not None else time.time()) * 1000
-    return until_ms is not None and until_ms > now_ms
-
-
-def wait_ready(client, consumer: str, model: str | None, proc: subprocess.Popen, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Block until ``worker_ready``; ``RuntimeError`` if ``proc`` exits first or ``timeout_s`` passes."""
-    deadline = time.monotonic() + timeout_s
-    while not worker_ready(client, consumer, model):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the worker exited (status {proc.returncode}) before it was ready")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the worker was not ready after {timeout_s:.0f} s")
-        time.sleep(0.2)
 
 
 def _forward(stream: IO[str], tag: str) -> threading.Thread:
