@@ -89,9 +89,13 @@ def run(llm, prompts, params) -> dict:
            "mask_host_ms_per_masked_step": 1e3 * mask_s[0] / mask_s[1] if mask_s[1] else None}
     if params.structured_outputs is not None:
         valid = 0
+        eos = engine.eos_token_ids
         for o in outs:
+            # the text without the EOS that ended it: this synthetic tokenizer does not mark the config's
+            # EOS ids (Llama's 128001, 128008, 128009) as special, so their words are not skipped in the text
+            ids = [t for t in o.outputs[0].token_ids if t not in eos]
             try:
-                json.loads(o.outputs[0].text.replace("▁", " "))
+                json.loads(engine.tokenizer.decode(ids).replace("▁", " "))
                 valid += o.outputs[0].finish_reason == "stop"
             except ValueError:
                 pass

@@ -90,6 +90,14 @@ SAMPLING_VALUES = {
     "skip_special_tokens": maybe(st.booleans()),
     "include_stop_str_in_output": maybe(st.booleans()),
     "logprobs": maybe(st.none() | st.integers(0, 20), st.integers(-2, 25)),
+    "structured_outputs": maybe(
+        st.none() | st.sampled_from([{"choice": ["yes", "no"]}, {"regex": "[a-z]{1,8}"}, {"json": {"type": "object"}},
+                                     {"json_object": True}]),
+        st.sampled_from([{"choice": []}, {"regex": "("}, {"json": {"type": 5}}, {"choice": ["a"], "regex": "a"}, {}])),
+    "response_format": maybe(
+        st.none() | st.sampled_from([{"type": "text"}, {"type": "json_object"},
+                                     {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}]),
+        st.sampled_from([{"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}])),
 }
 assert set(SAMPLING_VALUES) == SAMPLING_FIELDS
 sampling_dicts = st.fixed_dictionaries({}, optional={**SAMPLING_VALUES, "bogus_field": junk})
