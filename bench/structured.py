@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_engine import SHAPES, write_model  # noqa: E402
+from throughput import write_tokenizer  # noqa: E402
 
 SHAPES = {**SHAPES, "tiny": dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
@@ -40,21 +41,13 @@ def log(*a):
     print(*a, flush=True)
 
 
-def write_tokenizer(path: str, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    rng = random.Random(0)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for c in map(chr, range(32, 127)):
-        vocab.setdefault(c, len(vocab))
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    while len(vocab) < vocab_size:
-        vocab.setdefault("▁" + "".join(rng.choice(letters) for _ in range(rng.randint(2, 7))), len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+def model_dir(shape: str, device) -> str:
+    """The shape's random-init model with a tokenizer holding the ASCII characters (made once per machine)."""
+    path = f"/tmp/pagestream-structured-{shape}"
+    if not os.path.exists(os.path.join(path, "config.json")):
+        write_model(shape, path, device, SHAPES)
+        write_tokenizer(path, SHAPES[shape]["vocab_size"], chars="".join(map(chr, range(32, 127))))
+    return path
 
 
 def run(llm, prompts, params) -> dict:
@@ -132,10 +125,7 @@ def main() -> None:
     from pagestream.engine import LLM, SamplingParams, StructuredOutputsParams
 
     device = torch.device(args.device)
-    path = f"/tmp/pagestream-structured-{args.shape}"
-    if not os.path.exists(os.path.join(path, "config.json")):
-        write_model(args.shape, path, device, SHAPES)
-        write_tokenizer(path, SHAPES[args.shape]["vocab_size"])
+    path = model_dir(args.shape, device)
     llm = LLM(model=path, device=device.type, dtype="bfloat16" if device.type == "cuda" else "float32",
               max_model_len=2048, max_num_seqs=max(args.num_prompts, 8), gpu_memory_utilization=0.85)
     rng = random.Random(0)

@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from structured import SCHEMA, SHAPES, write_model, write_tokenizer  # noqa: E402
+from structured import SCHEMA, SHAPES, model_dir  # noqa: E402
 
 
 def main() -> None:
@@ -34,10 +34,7 @@ def main() -> None:
     from pagestream.engine import LLM, SamplingParams, StructuredOutputsParams
 
     device = torch.device(args.device)
-    path = f"/tmp/pagestream-structured-{args.shape}"
-    if not os.path.exists(os.path.join(path, "config.json")):
-        write_model(args.shape, path, device, SHAPES)
-        write_tokenizer(path, SHAPES[args.shape]["vocab_size"])
+    path = model_dir(args.shape, device)
     vocab = SHAPES[args.shape]["vocab_size"]
     llm = LLM(model=path, device=device.type, dtype="bfloat16" if device.type == "cuda" else "float32", max_model_len=2048,
               max_num_seqs=max(args.num_prompts, 8), gpu_memory_utilization=0.6, enforce_eager=args.enforce_eager)

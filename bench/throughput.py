@@ -66,16 +66,19 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
-def write_tokenizer(path: str, vocab_size: int) -> None:
+def write_tokenizer(path: str, vocab_size: int, chars: str = "") -> None:
     """A fast tokenizer over exactly ``vocab_size`` ids (words of 2-7 letters, space-prefixed like
     byte-level BPE pieces), so every sampled id detokenizes as a real model's would: one
-    DecodeStream step per token. The GPU machine has no network to fetch Llama's own."""
+    DecodeStream step per token. The GPU machine has no network to fetch Llama's own. ``chars``
+    become single-character tokens first (bench/structured.py: the ASCII ones, so JSON is expressible)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
     while len(vocab) < vocab_size:
         vocab.setdefault("▁" + "".join(rng.choice(letters) for _ in range(rng.randint(2, 7))), len(vocab))
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
