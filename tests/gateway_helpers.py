@@ -1,6 +1,7 @@
 """A gateway as a separate process (``pagestream gateway``), for the tests that drive it with the openai client."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -49,3 +50,40 @@ class GatewayProc:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+
+
+@contextlib.contextmanager
+def batch_stack(log_dir: Path, files_dir: Path, model: str, consumer: str, *gateway_args: str, gateway_env: dict | None = None):
+    """A fake-engine worker serving ``model``, a gateway keeping files in ``files_dir`` and a bulk-worker,
+    on the test db (flushed before and after); yields ``{"gw", "r", "log_dir"}`` once the model is announced."""
+    import redis
+
+    from pagestream.producer import Producer
+    from queue_helpers import WorkerProc
+
+    r = redis.Redis.from_url(DB_URL)
+    r.flushdb()
+    worker = WorkerProc(DB_URL, "fake:5", consumer, "--served-model-name", model, "--max-model-len", "128",
+                        log_dir=log_dir, env={"PAGESTREAM_BULK_FLUSH_INTERVAL_S": "0.2"})
+    gw = GatewayProc(DB_URL, *gateway_args, log_dir=log_dir,
+                     env={"PAGESTREAM_GATEWAY_FILES_URI": str(files_dir), **(gateway_env or {})})
+    bulk_log = open(log_dir / "bulk-worker.log", "w")
+    bulk_worker = subprocess.Popen([sys.executable, "-m", "pagestream.worker.cli", "bulk-worker", "--redis-url", DB_URL],
+                                   cwd=ROOT, stdout=bulk_log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        worker.wait_ready()
+        gw.wait_ready()
+        wait_for(lambda: model in Producer(r).live_models(), 60, "the worker's announcement")
+        yield {"gw": gw, "r": r, "log_dir": log_dir}
+    finally:
+        gw.stop()
+        worker.stop()
+        bulk_worker.terminate()
+        try:
+            bulk_worker.wait(30)
+        except subprocess.TimeoutExpired:
+            bulk_worker.kill()
+            bulk_worker.wait(10)
+        bulk_log.close()
+        r.flushdb()
+        r.close()

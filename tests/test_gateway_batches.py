@@ -3,53 +3,22 @@ creates a batch against a gateway process, a real Redis, a worker running the fa
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
-import redis
 
-from gateway_helpers import DB_URL, GatewayProc
-from pagestream.producer import Producer
+from gateway_helpers import batch_stack
 from pagestream.worker.fake_engine import FakeEngine
-from queue_helpers import ROOT, WorkerProc, wait_for
 
 MODEL = "fake-batch-model"
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    r = redis.Redis.from_url(DB_URL)
-    r.flushdb()
-    log_dir = tmp_path_factory.mktemp("batches")
-    files_dir = tmp_path_factory.mktemp("files")
-    worker = WorkerProc(DB_URL, "fake:5", "batch-worker", "--served-model-name", MODEL, "--max-model-len", "128",
-                        log_dir=log_dir, env={"PAGESTREAM_BULK_FLUSH_INTERVAL_S": "0.2"})
-    gw = GatewayProc(DB_URL, log_dir=log_dir, env={"PAGESTREAM_GATEWAY_FILES_URI": str(files_dir)})
-    bulk_log = open(log_dir / "bulk-worker.log", "w")
-    bulk_worker = subprocess.Popen([sys.executable, "-m", "pagestream.worker.cli", "bulk-worker", "--redis-url", DB_URL],
-                                   cwd=ROOT, stdout=bulk_log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        worker.wait_ready()
-        gw.wait_ready()
-        wait_for(lambda: MODEL in Producer(r).live_models(), 60, "the worker's announcement")
-        yield {"gw": gw, "r": r, "log_dir": log_dir}
-    finally:
-        gw.stop()
-        worker.stop()
-        bulk_worker.terminate()
-        try:
-            bulk_worker.wait(30)
-        except subprocess.TimeoutExpired:
-            bulk_worker.kill()
-            bulk_worker.wait(10)
-        bulk_log.close()
-        r.flushdb()
-        r.close()
+    with batch_stack(tmp_path_factory.mktemp("batches"), tmp_path_factory.mktemp("files"), MODEL, "batch-worker") as s:
+        yield s
 
 
 def client(stack) -> openai.OpenAI:

@@ -6,20 +6,14 @@ official openai client."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
-import redis
 
-from gateway_helpers import DB_URL, GatewayProc
-from pagestream.producer import Producer
+from gateway_helpers import batch_stack
 from pagestream.producer.protocol.tenants import parse_key_spec, tenant_of_key
-from queue_helpers import ROOT, WorkerProc, wait_for
 
 MODEL = "fake-tenant-model"
 ALICE, BOB, OPS, PLAIN = ("alice-secret-4f1c9a", "bob-secret-77d0e2", "ops-secret-a93b11", "plain-secret-0c5d6e")
@@ -27,36 +21,12 @@ ALICE, BOB, OPS, PLAIN = ("alice-secret-4f1c9a", "bob-secret-77d0e2", "ops-secre
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    r = redis.Redis.from_url(DB_URL)
-    r.flushdb()
     log_dir = tmp_path_factory.mktemp("tenants")
-    files_dir = tmp_path_factory.mktemp("files")
     keys_file = log_dir / "keys.txt"
     keys_file.write_text(f"# ops\n{OPS}:ops:admin\n\n{PLAIN}   # a key without a tenant name\n")
-    worker = WorkerProc(DB_URL, "fake:5", "tenant-worker", "--served-model-name", MODEL, "--max-model-len", "128",
-                        log_dir=log_dir, env={"PAGESTREAM_BULK_FLUSH_INTERVAL_S": "0.2"})
-    gw = GatewayProc(DB_URL, "--api-keys", f"{ALICE}:alice,{BOB}:bob", log_dir=log_dir,
-                     env={"PAGESTREAM_GATEWAY_FILES_URI": str(files_dir), "PAGESTREAM_GATEWAY_API_KEYS_FILE": str(keys_file)})
-    bulk_log = open(log_dir / "bulk-worker.log", "w")
-    bulk_worker = subprocess.Popen([sys.executable, "-m", "pagestream.worker.cli", "bulk-worker", "--redis-url", DB_URL],
-                                   cwd=ROOT, stdout=bulk_log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        worker.wait_ready()
-        gw.wait_ready()
-        wait_for(lambda: MODEL in Producer(r).live_models(), 60, "the worker's announcement")
-        yield {"gw": gw, "r": r, "log_dir": log_dir}
-    finally:
-        gw.stop()
-        worker.stop()
-        bulk_worker.terminate()
-        try:
-            bulk_worker.wait(30)
-        except subprocess.TimeoutExpired:
-            bulk_worker.kill()
-            bulk_worker.wait(10)
-        bulk_log.close()
-        r.flushdb()
-        r.close()
+    with batch_stack(log_dir, tmp_path_factory.mktemp("files"), MODEL, "tenant-worker", "--api-keys", f"{ALICE}:alice,{BOB}:bob",
+                     gateway_env={"PAGESTREAM_GATEWAY_API_KEYS_FILE": str(keys_file)}) as s:
+        yield s
 
 
 def client(stack, key: str) -> openai.OpenAI:
