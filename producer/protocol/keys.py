@@ -190,3 +190,8 @@ def tenant_bulks_index(tenant: str) -> str:
 def file_tombstone(file_id: str) -> str:
     """Marks a deleted file so nothing (a batch's manifest) registers it again."""
     return f"{PREFIX}:file:{{{file_id}}}:deleted"
+
+
+def events_stream() -> str:
+    """The job-event firehose (``protocol/events.py``): one capped stream of lifecycle events."""
+    return f"{PREFIX}:events"
