@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from pagestream import kernels  # noqa: E402
+from pagestream.kernels import triton_ops as kernels  # noqa: E402
 from pagestream.kernels import reference as R  # noqa: E402
 
 DEV = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: smoke test of the checks

@@ -20,7 +20,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 import pytest  # noqa: E402
 
-from pagestream import kernels  # noqa: E402
+from pagestream.kernels import triton_ops as kernels  # noqa: E402
 from pagestream.kernels import reference as R  # noqa: E402
 
 if INTERPRET:

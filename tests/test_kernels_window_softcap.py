@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from pagestream import kernels
+from pagestream.kernels import triton_ops as kernels
 from pagestream.kernels import reference as R
 from test_kernels import DTYPES, INTERPRET, assert_close, make_paged
 

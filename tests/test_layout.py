@@ -325,3 +325,60 @@ def test_the_three_engines_satisfy_the_workers_engine_protocol():
         assert not missing, f"{cls.__name__} lacks {missing}"
         params = inspect.signature(cls.add_request).parameters
         assert {"prompt", "params", "prompt_token_ids", "resume_token_ids", "priority"} <= set(params), cls
+
+
+SHADOW_PROBE = """
+import importlib.metadata, importlib.util, json, os, sys
+root = os.path.realpath(sys.argv[1])
+ours = json.loads(sys.argv[2])
+owners = importlib.metadata.packages_distributions()
+bad = []
+for name in ours:
+    if name not in owners:
+        continue
+    spec = importlib.util.find_spec(name)
+    where = spec.origin if spec.origin not in (None, "namespace") else list(spec.submodule_search_locations or [""])[0]
+    mine = os.path.join(root, name)
+    if os.path.realpath(where) in (mine + ".py",) or os.path.realpath(where).startswith(mine + os.sep):
+        bad.append(f"`import {name}` from the checkout's root resolves to our {name}/ ({where}), "
+                   f"not to the installed distribution {', '.join(sorted(set(owners[name])))}")
+print(json.dumps(bad))
+"""
+
+
+def our_top_level_names(root: pathlib.Path = ROOT) -> list[str]:
+    """The names a folder (or module) of the checkout's root answers to when the root is on sys.path."""
+    names = {p.stem for p in root.glob("*.py") if p.stem.isidentifier() and p.stem != "__init__"}
+    names |= {p.name for p in root.iterdir()
+              if p.is_dir() and p.name.isidentifier() and any(p.rglob("*.py"))}
+    return sorted(names)
+
+
+def shadowed_distributions(root: pathlib.Path = ROOT) -> list[str]:
+    """Run from the root as a user's `python -c` is (the root first on sys.path): which installed
+    distributions' top-level names resolve to our folders instead of to them."""
+    import json
+    out = subprocess.run([sys.executable, "-c", SHADOW_PROBE, str(root), json.dumps(our_top_level_names(root))],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_no_top_level_folder_shadows_an_installed_distribution():
+    """transformers imports Hugging Face's `kernels` whenever it is installed; with the checkout's root
+    on sys.path (pytest, `make demo`, `python -c` in the root) a regular package named `kernels` there
+    outranks it. Our top-level folders that share a name with a distribution must be namespace portions."""
+    assert "kernels" in our_top_level_names()
+    bad = shadowed_distributions()
+    assert not bad, "\n".join(bad)
+
+
+def test_the_shadow_guard_names_a_regular_package_that_shadows_a_distribution(tmp_path):
+    """The guard itself: a root holding a regular package named like an installed distribution
+    (pytest's own `_pytest`) is reported; the same folder as a namespace portion is not."""
+    (tmp_path / "_pytest").mkdir()
+    (tmp_path / "_pytest" / "mod.py").write_text("")
+    assert shadowed_distributions(tmp_path) == []
+    (tmp_path / "_pytest" / "__init__.py").write_text("")
+    bad = shadowed_distributions(tmp_path)
+    assert len(bad) == 1 and "_pytest/" in bad[0] and "pytest" in bad[0], bad

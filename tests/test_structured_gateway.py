@@ -71,6 +71,8 @@ def test_a_bad_constraint_is_a_400_that_never_reaches_a_worker(stack, kwargs, re
             c.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=body)
     assert reason in err.value.message
     assert err.value.body["type"] == "invalid_request_error"
+    if "response_format" in kwargs:  # the param is the path the client sent, from the top of the body
+        assert err.value.body["param"].startswith("response_format."), err.value.body
     assert len(list(r.scan_iter(match="ps:job:*"))) == before
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from pagestream.producer.protocol import keys
-from pagestream.producer.protocol.schema import JobRequest
+from pagestream.producer.protocol.schema import JobRequest, SamplingOptions
 from pagestream.producer.protocol.structured import GUIDED_REPLACEMENTS, StructuredOutputs
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "pop": {"type": "integer", "minimum": 0}},
@@ -98,3 +99,22 @@ def test_spec_size_and_depth_are_bounded(monkeypatch):
 def test_every_removed_guided_field_names_its_replacement():
     assert set(GUIDED_REPLACEMENTS) >= {"guided_json", "guided_regex", "guided_choice", "guided_grammar"}
     assert all("structured_outputs" in v or "nothing" in v for v in GUIDED_REPLACEMENTS.values())
+
+
+@pytest.mark.parametrize("body, loc", [
+    # the property suite's case (issue 36): the error named `json_schema`, a field the client never sent
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}},
+     ("response_format", "json_schema", "schema")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, ("response_format", "json_schema")),
+    ({"response_format": {"type": "xml"}}, ("response_format", "type")),
+    ({"structured_outputs": {"json": {"type": 7}}}, ("structured_outputs", "json")),
+])
+def test_a_nested_error_names_the_path_the_client_sent(body, loc):
+    """As sampling options, and as a job, where flat sampling fields are under ``sampling``
+    (the gateway's ``param`` drops that prefix: tests/test_structured_gateway.py)."""
+    for model, where in ((SamplingOptions, loc), (JobRequest, ("sampling", *loc))):
+        with pytest.raises(ValidationError) as info:
+            model.model_validate({"prompt": "hi", **body} if model is JobRequest else body)
+        (error,) = info.value.errors()
+        assert error["loc"] == where, error
+        assert ".".join(loc) in error["msg"], error["msg"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pagestream import kernels
+from pagestream.kernels import triton_ops as kernels
 from pagestream.kernels import reference
 
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_serializer, model_validator
 
 from pagestream.producer.protocol.limits import job_limits
-from pagestream.producer.protocol.structured import StructuredOutputs, from_response_format
+from pagestream.producer.protocol.structured import ResponseFormat, StructuredOutputs, from_response_format
 from pagestream.producer.protocol.untrusted import UntrustedJSONError, check_json_tree
 
 #: bump when a change to JobRequest/TokenEvent/JobResult is not backward compatible
@@ -114,7 +114,7 @@ class SamplingOptions(BaseModel):
     # constrain the output (JSON schema, JSON object, regex, choice, grammar); OpenAI's
     # response_format is taken too and travels as the structured_outputs it means
     structured_outputs: StructuredOutputs | None = None
-    response_format: dict[str, Any] | None = Field(None, exclude=True)
+    response_format: ResponseFormat | None = Field(None, exclude=True)
 
     @model_validator(mode="after")
     def _response_format(self) -> SamplingOptions:

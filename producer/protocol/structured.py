@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
@@ -50,6 +50,24 @@ def check_json_schema(schema: Any, where: str) -> None:
         raise ValueError(f"{where} is not a valid JSON schema: {exc.message} (at {path})") from None
 
 
+def checked_schema(v: Any, where: str) -> Any:
+    """A schema given as a dict or as JSON text, bounded in depth and checked by its meta-schema;
+    ``where`` is the field's path from the top of the body, for the error."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc}") from None
+    if isinstance(v, (dict, list)):
+        try:
+            check_json_tree(v, MAX_SCHEMA_DEPTH)
+        except UntrustedJSONError as exc:
+            raise ValueError(f"{where}: {exc} (at most {MAX_SCHEMA_DEPTH} levels)") from None
+    if v is not None:
+        check_json_schema(v, where)
+    return v
+
+
 class StructuredOutputs(BaseModel):
     """Exactly one of ``json`` (a schema, dict or JSON text), ``json_object``, ``regex``,
     ``choice``, ``grammar`` (EBNF or Lark); whitespace options as vLLM's."""
@@ -67,19 +85,7 @@ class StructuredOutputs(BaseModel):
     @field_validator("json_schema", mode="before")
     @classmethod
     def _schema(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-        if isinstance(v, (dict, list)):
-            try:
-                check_json_tree(v, MAX_SCHEMA_DEPTH)
-            except UntrustedJSONError as exc:
-                raise ValueError(f"structured_outputs.json: {exc} (at most {MAX_SCHEMA_DEPTH} levels)") from None
-        if v is not None:
-            check_json_schema(v, "structured_outputs.json")
-        return v
+        return checked_schema(v, "structured_outputs.json")
 
     @field_validator("regex")
     @classmethod
@@ -139,27 +145,62 @@ class StructuredOutputs(BaseModel):
         return out
 
 
-def from_response_format(response_format: Any) -> StructuredOutputs | None:
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's ``{name, description, schema, strict}``."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+
+    name: str | None = Field(None, max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_", mode="before")
+    @classmethod
+    def _schema(cls, v: Any) -> Any:
+        return checked_schema(v, "response_format.json_schema.schema")
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> JsonSchemaFormat:
+        if self.schema_ is None:
+            raise ValueError("response_format.json_schema.schema is missing")
+        return self
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``, typed so that an error's location is the path the client sent
+    (``response_format.json_schema.schema``), as OpenAI's and vLLM's 400s name it."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _known_type(cls, v: Any) -> Any:
+        if v not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format.type must be text, json_object or json_schema, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema: {name, schema, strict}")
+        return self
+
+
+def from_response_format(response_format: ResponseFormat | dict[str, Any] | None) -> StructuredOutputs | None:
     """OpenAI's ``response_format`` as a constraint: ``text`` is none, ``json_object`` any JSON
     object, ``json_schema`` its ``schema`` (``name`` and ``strict`` are OpenAI's labels; with
     ``strict`` objects that do not say otherwise take no additional properties)."""
     if response_format is None:
         return None
-    if isinstance(response_format, BaseModel):
-        response_format = response_format.model_dump(by_alias=True, exclude_none=True)
-    if not isinstance(response_format, dict) or "type" not in response_format:
-        raise ValueError("response_format must be an object with a type: text, json_object or json_schema")
-    kind = response_format["type"]
-    if kind == "text":
-        return None
-    if kind == "json_object":
+    if not isinstance(response_format, ResponseFormat):
+        response_format = ResponseFormat.model_validate(response_format)
+    if response_format.type == "json_object":
         return StructuredOutputs(json_object=True)
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict):
-            raise ValueError("response_format json_schema needs json_schema: {name, schema, strict}")
-        schema = spec.get("schema", spec.get("schema_"))
-        if schema is None:
-            raise ValueError("response_format.json_schema.schema is missing")
-        return StructuredOutputs(json_schema=schema, disable_additional_properties=bool(spec.get("strict")))
-    raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+    if response_format.type == "json_schema":
+        spec = response_format.json_schema
+        return StructuredOutputs(json_schema=spec.schema_, disable_additional_properties=bool(spec.strict))
+    return None

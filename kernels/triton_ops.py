@@ -1,12 +1,17 @@
 """Triton kernels for the paged-KV engine, each with a torch reference in `kernels.reference`.
 
-    from pagestream.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache, rms_norm, rotary_embedding, silu_and_mul, argmax
+    from pagestream.kernels.triton_ops import paged_decode_attention, paged_prefill_attention, store_kvcache, rms_norm, rotary_embedding, silu_and_mul, argmax
 
 These names are the Triton wrappers (CUDA tensors; CPU only under
 TRITON_INTERPRET=1); `kernels.reference` holds the same functions in plain
 torch. `use_triton(device)` is the rule the engine picks by: Triton on CUDA
-unless PAGESTREAM_KERNELS=torch. Importing this package compiles and launches
+unless PAGESTREAM_KERNELS=torch. Importing this module compiles and launches
 nothing.
+
+`kernels/` has no `__init__.py` on purpose: it is a namespace portion, so with the checkout's
+root on sys.path (pytest, `make demo`, `python -c` there) the top-level name `kernels` still
+resolves to Hugging Face's regular `kernels` package, which transformers imports
+(tests/test_layout.py guards this). Our code imports it only as `pagestream.kernels`.
 """
 from __future__ import annotations
 
@@ -14,8 +19,7 @@ import os
 
 import torch
 
-# Imported eagerly, after which each name below is the function and no longer
-# the submodule of the same name (`kernels.rms_norm` is callable).
+# Imported eagerly: each name below is the function (`triton_ops.rms_norm` is callable).
 from pagestream.kernels.argmax import argmax
 from pagestream.kernels.paged_decode_attention import paged_decode_attention
 from pagestream.kernels.paged_prefill_attention import paged_mixed_attention, paged_prefill_attention
