@@ -4,6 +4,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FORBIDDEN = {
@@ -382,3 +384,13 @@ def test_the_shadow_guard_names_a_regular_package_that_shadows_a_distribution(tm
     (tmp_path / "_pytest" / "__init__.py").write_text("")
     bad = shadowed_distributions(tmp_path)
     assert len(bad) == 1 and "_pytest/" in bad[0] and "pytest" in bad[0], bad
+
+
+@pytest.mark.parametrize("how", [["-c", "import pagestream.engine.loader, transformers.integrations.hub_kernels as h; "
+                                        "print(h.__name__)"],
+                                 ["-m", "transformers.integrations.hub_kernels"]])
+def test_transformers_loads_its_kernels_integration_from_the_checkouts_root(how):
+    """What broke with transformers 5.25: with the root first on sys.path (`python -c`, `python -m`, as
+    `make demo` and the processes `pagestream serve` spawns run), its `from kernels import ...` found ours."""
+    out = subprocess.run([sys.executable, *how], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
