@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from pagestream.producer.protocol.limits import job_limits
 from pagestream.producer.protocol.untrusted import UntrustedJSONError, check_json_tree
@@ -161,5 +161,9 @@ def from_response_format(response_format: Any) -> StructuredOutputs | None:
         schema = spec.get("schema", spec.get("schema_"))
         if schema is None:
             raise ValueError("response_format.json_schema.schema is missing")
-        return StructuredOutputs(json_schema=schema, disable_additional_properties=bool(spec.get("strict")))
+        try:
+            return StructuredOutputs(json_schema=schema, disable_additional_properties=bool(spec.get("strict")))
+        except ValidationError as exc:  # reported under response_format, not the inner model's field
+            raise ValueError("response_format.json_schema.schema: " + "; ".join(
+                e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
     raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
