@@ -411,7 +411,7 @@ def tail_section(res, out_tokens: int):
     out = []
     acc: dict[str, float] = {}
     from pagestream.engine import sampler as sampler_mod
-    from pagestream.engine import llm_engine as engine_mod
+    from pagestream.engine import detokenizer as detok_mod
 
     with contextlib.ExitStack() as timers:  # the timers come off even if a pass fails
         for p in range(3):
@@ -421,9 +421,9 @@ def tail_section(res, out_tokens: int):
                     (engine.scheduler, "append_tokens", "append_tokens"), (engine.scheduler, "finish", "finish"),
                     (engine.block_manager, "free", "free"), (engine.runner, "execute", "execute"),
                     (engine.runner, "prepare", "prepare"), (engine.runner, "release_rows", "release_rows"),
-                    (engine, "_read_tokens", "read_tokens"), (engine, "_outputs", "outputs"),
+                    (engine.core, "_read_tokens", "read_tokens"), (engine.output_processor, "process", "outputs"),
                     (sampler_mod.HostSample, "wait", "wait_device"),
-                    (engine_mod.IncrementalDetokenizer, "take_delta", "take_delta")]))
+                    (detok_mod.IncrementalDetokenizer, "take_delta", "take_delta")]))
             sp = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True, output_kind="final")
             for i in range(256):
                 engine.add_request(f"t{p}-{i}", prompt_token_ids=[rng.randrange(3, vocab) for _ in range(512)], params=sp)

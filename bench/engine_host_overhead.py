@@ -56,19 +56,23 @@ def main() -> None:
     if args.core:
         import pickle
 
-        from pagestream.engine.core_process import _core_engine_class
-
-        # the worker's engine core: token ids only (its caller detokenizes), outputs pickled for the pipe
-        engine.__class__ = _core_engine_class()
-        engine.detokenize = False
-        plain_step = engine.step
         from pagestream.engine.core_messages import CoreOutput, CoreOutputType
+        from pagestream.engine.output_processor import core_params
 
+        # the worker's engine core (EngineCore, as engine/core_process.py runs it): token ids only (its
+        # caller detokenizes), outputs pickled for the pipe
+        core = engine.core
+        plain_step = core.step
+        engine = core
         engine.step = lambda: pickle.dumps(CoreOutput(CoreOutputType.OUTPUTS, plain_step(), None), protocol=pickle.HIGHEST_PROTOCOL)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=(2 if args.phases else 1) * args.steps + 40, ignore_eos=True, output_kind=args.output_kind)
     for i in range(args.num_seqs):
-        engine.add_request(str(i), prompt_token_ids=[rng.randrange(3, 1000) for _ in range(args.prompt_len)], params=params)
+        ids = [rng.randrange(3, 1000) for _ in range(args.prompt_len)]
+        if args.core:
+            engine.add_request(i, ids, [], core_params(params))
+        else:
+            engine.add_request(str(i), prompt_token_ids=ids, params=params)
     while engine.scheduler.waiting:
         engine.step()
     engine.step()

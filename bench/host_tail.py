@@ -41,8 +41,8 @@ def main() -> None:
     engine.runner.model = _NoOpModel(64, 1000)
     acc: dict[str, float] = {}
     targets = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "execute", "execute"),
-               (engine.scheduler, "finish", "finish"), (engine, "_read_tokens", "read_tokens"),
-               (engine, "_outputs", "outputs")]
+               (engine.scheduler, "finish", "finish"), (engine.core, "_read_tokens", "read_tokens"),
+               (engine.output_processor, "process", "outputs")]
     rng = random.Random(0)
     sp = SamplingParams(temperature=0, max_tokens=args.out_tokens, ignore_eos=True, output_kind="final")
     for i in range(256):

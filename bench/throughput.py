@@ -397,11 +397,14 @@ def host_phases(engine, n_steps) -> dict:
     from pagestream.engine import sampler as sampler_mod
 
     acc: dict[str, float] = {}
+    core = getattr(engine, "core", engine)  # LLMEngine, or an EngineCore on its own
     targets = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "prepare", "prepare"),
                (engine.runner, "execute", "execute (prepare + launch + sample launch)"),
-               (engine, "_read_tokens", "read tokens (wait + detok + stops + outputs)"),
-               (engine, "_check_stop", "detokenize + stop checks"), (engine, "_make_output", "build outputs"),
+               (core, "_read_tokens", "read tokens (wait + finish checks + core messages)"),
+               (core, "_check_finish", "finish checks (EOS, stop ids, lengths, grammar)"),
                (sampler_mod.HostSample, "wait", "wait for the device")]
+    if core is not engine:
+        targets.append((engine.output_processor, "process", "output processor (detokenize + stop strings + outputs)"))
     t0 = time.perf_counter()
     with timed_methods(acc, targets):
         for _ in range(n_steps):

@@ -87,9 +87,10 @@ class BlockManager:
         """Longest cached prefix of seq, as (block ids, tokens covered).
 
         At least one token is always left to compute, since the step needs the
-        last position's logits.
+        last position's logits. A request asking for prompt logprobs reads none (its first sample
+        computes every prompt position it reports, as vLLM v1 skips the hits for it).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or (seq.params.prompt_logprobs is not None and seq.sample_index == 0):
             return [], 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []

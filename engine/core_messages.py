@@ -1,6 +1,9 @@
-"""What crosses the pipe between ``EngineProcess`` (the caller) and the engine core process: each
-message says its kind (an enum), never its position or length; an error travels as a type and a
-message (``EngineCoreError``), never as a string whose prefix names the exception."""
+"""What the engine core says and is told. ``EngineCore.step()`` (engine/llm_engine.py) returns
+``TokenBatch`` / ``RequestDelta`` messages, which the ``OutputProcessor`` turns into outputs, in
+``LLMEngine`` and on the caller's side of ``EngineProcess`` alike; between ``EngineProcess`` and the
+engine core process they cross the pipe in ``CoreOutput`` / ``CoreRequest``. Each message says its
+kind (an enum), never its position or length; an error travels as a type and a message
+(``EngineCoreError``), never as a string whose prefix names the exception."""
 from __future__ import annotations
 
 import enum
@@ -90,8 +93,9 @@ class RequestDelta(NamedTuple):
     rid: int
     finished: bool
     error: EngineCoreError | None
-    metrics: dict | None
+    metrics: dict | None  # measured by the core, if any (EngineCore sends none: the OutputProcessor measures)
     samples: list[SampleDelta]
+    prompt_logprobs: list | None = None  # the request's, once (RequestOutput.prompt_logprobs)
 
 
 class TokenBatch(NamedTuple):

@@ -1,8 +1,8 @@
 """The engine core's process: the loop ``EngineProcess`` (engine/engine_process.py) spawns.
 
-It builds an engine that reports token ids only, then steps back to back while it has work and
-applies what the caller sends (engine/core_messages.py) between steps; a caller that goes away
-closes the pipe and the loop ends.
+It builds an ``EngineCore`` (engine/llm_engine.py: token ids only, as core messages), then steps
+it back to back while it has work and applies what the caller sends (engine/core_messages.py)
+between steps; a caller that goes away closes the pipe and the loop ends.
 """
 from __future__ import annotations
 
@@ -17,59 +17,12 @@ import traceback
 
 from pagestream.engine.config import EngineConfig
 from pagestream.engine.core_messages import (CoreOutput, CoreOutputType, CoreRequest, CoreRequestType, EngineCoreError,
-                                              ErrorType, RequestDelta, SampleDelta, TokenBatch)
+                                              ErrorType, RequestDelta)
 from pagestream.engine.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
 _STATS_EVERY_S = 0.05  # the core sends EngineStats at most this often while it steps
-
-
-# ---- the core's side ---------------------------------------------------------------------
-
-def _core_engine_class():
-    from pagestream.engine.llm_engine import LLMEngine
-    from pagestream.engine.sequence import SequenceStatus
-
-    class CoreEngine(LLMEngine):
-        """``LLMEngine`` whose outputs are the pipe's tuples (token ids only: the caller detokenizes)."""
-
-        def add_checked_request(self, request_id: str, *args, **kwargs) -> None:
-            super().add_checked_request(request_id, *args, **kwargs)
-            self._requests[request_id].rid = int(request_id)  # the caller's id, as the pipe carries it
-
-        def _outputs(self, reqs) -> list:
-            outputs: list = []
-            rids: list[int] = []
-            token_ids: list[int] = []
-            rest = []
-            for req in reqs:
-                seqs = req.seqs
-                if len(seqs) == 1 and req.params.logprobs is None and req.params.output_kind == "delta":
-                    seq = seqs[0]
-                    if seq.status is not SequenceStatus.FINISHED:
-                        start = req.reported[0]
-                        if len(seq.token_ids) - seq.num_prompt_tokens == start + 1:  # one new token
-                            req.reported[0] = start + 1
-                            rids.append(req.rid)
-                            token_ids.append(seq.token_ids[-1])
-                            continue
-                rest.append(req)
-            if rids:
-                outputs.append(TokenBatch(rids, token_ids))
-            outputs += super()._outputs(rest)
-            return outputs
-
-        def _make_output(self, req) -> RequestDelta:
-            comps = []
-            for i, seq in enumerate(req.seqs):
-                _, new_ids, lps = self._take_new(req, i)
-                comps.append(SampleDelta(i, new_ids, req.cumulative_logprob[i] if lps is not None else None, lps,
-                                         seq.finish_reason, seq.stop_reason))
-            error = None if req.error is None else EngineCoreError(ErrorType.REQUEST, req.error)
-            return RequestDelta(req.rid, req.finished, error, self._final_metrics(req) or None, comps)
-
-    return CoreEngine
 
 
 def _core_main(conn, config: EngineConfig, log_level: int) -> None:
@@ -80,7 +33,9 @@ def _core_main(conn, config: EngineConfig, log_level: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine-core]: %(message)s")
     try:
-        engine = _core_engine_class()(config, detokenize=False)  # text and stop strings are the caller's
+        from pagestream.engine.llm_engine import EngineCore  # torch lives below this line
+
+        engine = EngineCore(config)  # token ids only: text, stop strings and outputs are the caller's
     except BaseException as exc:  # the caller raises it: a bad model, OOM, no GPU
         kind = ErrorType.INVALID_CONFIG if isinstance(exc, ValueError) else ErrorType.STARTUP
         conn.send(CoreOutput(CoreOutputType.FAILED, error=EngineCoreError.of(exc, kind, traceback.format_exc())))
@@ -129,18 +84,18 @@ def _serve_loop(engine, conn, inbox: queue.SimpleQueue, trace: list | None) -> N
         for msg in msgs:
             kind = msg.type
             if kind is CoreRequestType.ADD:
-                for rid, prompt, ids, resume, params, priority in msg.payload:
+                for rid, _prompt, ids, resume, params, priority in msg.payload:
                     try:
-                        engine.add_checked_request(str(rid), prompt, ids, resume, params, priority)
+                        engine.add_request(rid, ids, resume, params, priority)
                     except Exception as exc:  # checked on the caller's side; an engine bug fails this request only
                         error = EngineCoreError.of(exc, ErrorType.REQUEST)
                         conn.send(CoreOutput(CoreOutputType.OUTPUTS, [RequestDelta(rid, True, error, None, [])]))
             elif kind is CoreRequestType.ABORT:
                 for rid in msg.payload:
-                    engine.abort_request(str(rid))
+                    engine.abort_request(rid)
             elif kind is CoreRequestType.STOP_SAMPLES:
                 for rid, index, reason in msg.payload:
-                    engine.finish_sample(str(rid), index, reason)
+                    engine.finish_sample(rid, index, reason)
             elif kind is CoreRequestType.SHUTDOWN:
                 return
         if not engine.has_unfinished_requests():

@@ -63,10 +63,16 @@ class InputProcessor:
         ids = self.tokenize(prompt, prompt_token_ids)
         max_len = lim.max_model_len
         if len(ids) >= max_len:
+            # the first sentence is vLLM's: clients recognise a context overflow by it (LiteLLM's ContextWindowExceededError)
             raise ValueError(
-                f"prompt has {len(ids)} tokens but max_model_len is {max_len}: "
-                f"a prompt may have at most {max_len - 1} tokens"
+                f"This model's maximum context length is {max_len} tokens. However, your request has {len(ids)} input tokens "
+                f"(prompt has {len(ids)} tokens but max_model_len is {max_len}: a prompt may have at most {max_len - 1} tokens)"
             )
+        for name, token_ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            out_of_vocab = sorted(t for t in token_ids if t >= lim.vocab_size)
+            if out_of_vocab:  # vLLM's sentence
+                raise ValueError(f"token_id(s) {out_of_vocab[:5]} in {name} contain out-of-vocab token ids. "
+                                 f"Vocabulary size: {lim.vocab_size}")
         resume = list(resume_token_ids or [])
         if any(not isinstance(t, int) or not 0 <= t < lim.vocab_size for t in resume):
             raise ValueError(f"resume_token_ids must be integers in [0, {lim.vocab_size})")
@@ -84,7 +90,7 @@ class InputProcessor:
             raise ValueError("resume_token_ids is only supported with n == 1")
         return ids, resume, params
 
-    def chat_token_ids(self, messages: list[dict]) -> list[int]:
+    def chat_token_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(f"model {self.model} has no tokenizer, so no chat template")
         if not isinstance(messages, list) or not messages:
@@ -94,7 +100,34 @@ class InputProcessor:
                 raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(f"the tokenizer of {self.model} has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        kw = {}
+        if tools:
+            if not template_has_tools(self.tokenizer):
+                raise ValueError(f"the chat template of {self.model} has no tool format (it never reads `tools`)")
+            kw["tools"] = tools
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
+
+
+class ChatRequests:
+    """``apply_chat_template`` and ``add_chat_request`` for an engine front end that has ``inputs``
+    (an ``InputProcessor``) and ``add_request``: ``LLMEngine`` and ``EngineProcess`` both."""
+
+    inputs: InputProcessor
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.inputs.chat_token_ids(messages, tools)
+
+    def add_chat_request(self, request_id: str, messages: list[dict], params: SamplingParams | None = None,
+                         tools: list[dict] | None = None, **kwargs) -> None:
+        self.add_request(request_id, prompt_token_ids=self.apply_chat_template(messages, tools), params=params, **kwargs)
+
+
+def template_has_tools(tokenizer) -> bool | None:
+    """Whether the tokenizer's chat template renders ``tools`` (None: no template to tell)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one, or a "tool_use" one
+        return "tool_use" in template or "tools" in str(template.get("default", ""))
+    return "tools" in template if isinstance(template, str) else None

@@ -109,6 +109,8 @@ class LLM:
                 acc.finished = delta.finished
                 acc.metrics = delta.metrics
                 acc.error = delta.error or acc.error  # e.g. a grammar that cannot compile
+                if delta.prompt_logprobs is not None:
+                    acc.prompt_logprobs = delta.prompt_logprobs
                 if delta.finished:
                     done.add(delta.request_id)
                     if bar is not None:

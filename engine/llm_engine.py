@@ -1,18 +1,29 @@
-"""The engine's step: requests in, incremental outputs out. The one engine API the worker uses."""
+"""The engine's step: requests in, incremental outputs out.
+
+``EngineCore`` is the engine proper (scheduler, model runner, grammars): it runs requests that are
+already checked and tokenized, and its ``step()`` reports token ids (and logprobs when asked, finish
+reasons, errors) as the typed messages of engine/core_messages.py. It knows no text: stop strings,
+``output_kind``, logprob merging and abort outputs are the ``OutputProcessor``'s
+(engine/output_processor.py).
+
+``LLMEngine`` (below) is that core plus the ``OutputProcessor``, in one process: the one engine API
+the worker uses in-process and what ``LLM`` drives. engine/core_process.py runs the same core in a
+process of its own, and ``EngineProcess`` puts the same ``OutputProcessor`` on the caller's side.
+"""
 from __future__ import annotations
 
 import itertools
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagestream.engine.block_manager import BlockManager
 from pagestream.engine.config import EngineConfig
+from pagestream.engine.core_messages import EngineCoreError, ErrorType, RequestDelta, SampleDelta, TokenBatch
 from pagestream.engine.heap import freeze_startup_heap
-from pagestream.engine.detokenizer import IncrementalDetokenizer
-from pagestream.engine.input_processor import EngineLimits, InputProcessor
-from pagestream.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from pagestream.engine.input_processor import ChatRequests, EngineLimits, InputProcessor
+from pagestream.engine.output_processor import OutputProcessor
+from pagestream.engine.outputs import EngineStats, RequestOutput
 from pagestream.engine.sampling_params import SamplingParams
 from pagestream.engine.scheduler import Scheduler
 from pagestream.engine.sequence import Sequence, SequenceStatus
@@ -24,21 +35,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+@dataclass(eq=False, slots=True)
+class _CoreRequest:
+    rid: int | str  # the caller's key for it, as the core's outputs carry it
     params: SamplingParams
     seqs: list[Sequence]
-    detoks: list[IncrementalDetokenizer]
-    arrival_time: float
-    first_token_time: float | None = None
-    # per sample: index of the first output token not yet reported, logprobs not yet reported
-    reported: list[int] = field(default_factory=list)
-    pending_logprobs: list[list[dict[int, float]]] = field(default_factory=list)
-    cumulative_logprob: list[float] = field(default_factory=list)
-    error: str | None = None  # why the request ended without output (a grammar that cannot compile)
+    # one sample and no logprobs: a token that does not end it goes out in the step's TokenBatch
+    plain: bool
+    cumulative_logprob: list[float]  # per sample
+    # asked-for prompt logprobs so far ([None] for the first token, then a dict per token); None once reported
+    prompt_logprobs: list | None = None
+
+    @property
+    def key(self) -> str:  # the sequences' request_id
+        return self.seqs[0].request_id
 
     @property
     def finished(self) -> bool:
@@ -48,21 +58,20 @@ class _Request:
         return True
 
 
-class LLMEngine:
-    """Continuous-batching engine over a paged KV cache.
+class EngineCore:
+    """Continuous batching over a paged KV cache, in token ids.
 
-    ``add_request`` checks its input and raises ``ValueError`` on anything bad;
-    ``step`` runs one forward pass and returns incremental ``RequestOutput``s.
+    ``add_request`` takes a request ``InputProcessor.process`` has checked; ``step`` runs one
+    forward pass and returns the token ids it produced as ``TokenBatch`` / ``RequestDelta``
+    messages. The caller ends samples it has seen a stop string in with ``finish_sample``, and
+    requests with ``abort_request``; neither produces an output (the caller writes those).
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, detokenize: bool = True, **kwargs) -> None:
-        """``detokenize=False``: outputs carry token ids only, and stop strings are the caller's
-        (an engine core whose caller detokenizes, ``engine.engine_process``)."""
+    def __init__(self, config: EngineConfig) -> None:
         from pagestream.engine.model_runner import ModelRunner  # torch lives below this line
 
-        self.config = config if config is not None else EngineConfig(**kwargs)
-        self.tokenizer = load_tokenizer(self.config.tokenizer_path)
-        self.detokenize = detokenize
+        self.config = config
+        self.tokenizer = load_tokenizer(self.config.tokenizer_path)  # the grammars' vocabulary
         self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
         self.runner = ModelRunner(self.config, self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
@@ -72,10 +81,8 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         self.limits = EngineLimits(self.vocab_size, self.config.max_model_len, self.config.max_num_seqs,
                                    self.config.block_size, self.block_manager.num_blocks, self.config.enable_prefix_caching)
-        self.inputs = InputProcessor(self.tokenizer, self.limits, self.config.model)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _CoreRequest] = {}  # by the sequences' request_id, str(rid)
         self._arrival = itertools.count()
-        self._aborted_outputs: list[RequestOutput] = []
         self.num_generated_tokens = 0
         # The step on the device whose sampled tokens the host has not read yet.
         self._in_flight: StepHandle | None = None
@@ -85,7 +92,7 @@ class LLMEngine:
         # structured outputs: the manager (made on the first constrained request) and the requests
         # whose grammar is still compiling, held out of the scheduler so nobody else waits for them
         self._structured = None
-        self._awaiting_grammar: dict[str, _Request] = {}
+        self._awaiting_grammar: dict[str, _CoreRequest] = {}
         self.runner.warm_up()
         freeze_startup_heap()
 
@@ -93,29 +100,23 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
+    @property
+    def step_in_flight(self) -> bool:
+        """A launched step whose tokens the host has not read yet."""
+        return self._in_flight is not None
+
     # ---- input -------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        params: SamplingParams | None = None,
-        prompt_token_ids: list[int] | None = None,
-        resume_token_ids: list[int] | None = None,
-        priority: int = 0,
-    ) -> None:
-        """Queue a request. ``resume_token_ids`` are output tokens already produced
-        (by a worker that died): they are re-prefilled, count toward max_tokens, and
-        their text counts as already emitted."""
+    def add_request(self, rid: int | str, ids: list[int], resume: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Queue a request that ``InputProcessor.process`` has already checked and tokenized, under the
+        caller's key ``rid``. ``resume`` are output tokens already produced (by a worker that died):
+        they are re-prefilled and count toward max_tokens. The core reads neither ``params.stop`` nor
+        ``params.output_kind``."""
+        request_id = str(rid)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        ids, resume, params = self.inputs.process(prompt, params, prompt_token_ids, resume_token_ids)
-        self.add_checked_request(request_id, prompt, ids, resume, params, priority)
-
-    def add_checked_request(self, request_id: str, prompt: str | None, ids: list[int], resume: list[int],
-                            params: SamplingParams, priority: int = 0) -> None:
-        """Queue a request that ``InputProcessor.process`` has already checked and tokenized."""
         arrival = next(self._arrival)
-        seqs, detoks = [], []
+        seqs = []
         for i in range(params.n):
             seq = Sequence(
                 seq_id=f"{request_id}#{i}",
@@ -128,20 +129,14 @@ class LLMEngine:
                 priority=priority,
                 wait_for=seqs[0] if i > 0 and self.config.enable_prefix_caching else None,
             )
-            detok = IncrementalDetokenizer(self.tokenizer if self.detokenize else None, params)
-            for t in resume:
-                detok.add_token(t)
-            detok.take_delta(finished=False)  # text of resumed tokens counts as emitted
             seqs.append(seq)
-            detoks.append(detok)
-        req = _Request(request_id, prompt, ids, params, seqs, detoks, time.monotonic())
-        req.reported = [len(resume)] * params.n
-        req.pending_logprobs = [[] for _ in range(params.n)]
-        req.cumulative_logprob = [0.0] * params.n
+        req = _CoreRequest(rid, params, seqs, params.n == 1 and params.logprobs is None and params.prompt_logprobs is None,
+                           [0.0] * params.n, [None] if params.prompt_logprobs is not None else None)
+        if params.structured_outputs is not None:
+            self.structured_outputs.add_request(request_id, params.structured_outputs)
         self._requests[request_id] = req
         self._num_history_requests += self._reads_history(params)
         if params.structured_outputs is not None:
-            self.structured_outputs.add_request(request_id, params.structured_outputs)
             self._awaiting_grammar[request_id] = req
             return
         for seq in seqs:
@@ -149,9 +144,10 @@ class LLMEngine:
 
     @staticmethod
     def _reads_history(params: SamplingParams) -> bool:
-        # penalties read the token history, and a grammar's mask needs the tokens before it: both
-        # run their steps synchronously (the mask is filled on the host before the sampler runs)
-        return params.uses_penalties or params.structured_outputs is not None
+        # penalties read the token history on the host: their steps run synchronously. A grammar's
+        # mask needs the tokens before it too, but only at the sampler: the runner waits for the
+        # step in flight there, with the next forward pass already queued (see _grammar_rows)
+        return params.uses_penalties
 
     @property
     def structured_outputs(self):
@@ -160,22 +156,35 @@ class LLMEngine:
             from pagestream.engine.structured_output.manager import StructuredOutputManager
 
             self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
-                                                       stop_token_ids=sorted(self.eos_token_ids))
-            self.runner.sampler.grammar_rows = self._grammar_rows
+                                                       stop_token_ids=sorted(self.eos_token_ids),
+                                                       pin_memory=self.runner.device.type == "cuda")
+            self.runner.grammar_rows = self._grammar_rows
         return self._structured
 
-    def _grammar_rows(self, seqs: list[Sequence]):
-        """The step's bitmask for the constrained ones among ``seqs`` (their matchers brought to the
-        output they hold: after a preemption or a resume that is a re-advance, else a no-op)."""
+    def _grammar_rows(self, seqs: list[Sequence], prev: StepHandle | None = None):
+        """The step's bitmask for the constrained ones among ``seqs``, each matcher brought to the
+        output its sequence holds plus the token ``prev`` (the step still in flight) sampled for it:
+        one accept in the common case; after a preemption or a resume, a re-advance.
+
+        Called by the runner with this step's forward pass queued: waiting for ``prev`` here lets the
+        device run it meanwhile (asynchronous scheduling stays on). A sequence ``prev`` ended (EOS,
+        grammar terminated, stop) still has a row this step; its matcher is terminated, so the row is
+        left unconstrained, and the token is dropped when ``prev`` is read."""
         manager = self._structured
         rows = None
+        pending = None
         for i, seq in enumerate(seqs):
             if seq.params.structured_outputs is None:
                 continue
             if rows is None:
                 rows = [None] * len(seqs)
+                if prev is not None:
+                    # also orders this fill after the copy of the last mask (its buffer is reused)
+                    pending = prev.result().token_ids
             g = manager.grammar(seq.seq_id, seq.request_id)
             out = seq.token_ids[seq.num_prompt_tokens:]
+            if seq.num_pending_tokens and pending is not None and seq in prev.rows:
+                out.append(pending[prev.rows[seq]])
             if g.num_processed_tokens != len(out) or (out and g.accepted[-1] != out[-1]):
                 if not g.advance_to(out):
                     logger.warning("request %s: output tokens do not conform to its grammar", seq.request_id)
@@ -184,7 +193,7 @@ class LLMEngine:
             return None
         return manager.fill_bitmask(rows)
 
-    def _admit_compiled(self) -> list[RequestOutput]:
+    def _admit_compiled(self) -> list[RequestDelta]:
         """Move requests whose grammar compiled into the scheduler; end those whose cannot with its error."""
         failed = []
         for rid, req in list(self._awaiting_grammar.items()):
@@ -196,8 +205,7 @@ class LLMEngine:
                 for seq in req.seqs:  # the scheduler ends them, as it ends every sequence
                     self.scheduler.add(seq)
                     self.scheduler.finish(seq, "abort")
-                req.error = str(exc)
-                failed.append(self._make_output(req))
+                failed.append(self._ended(req, str(exc)))
                 self._forget(req)
                 continue
             del self._awaiting_grammar[rid]
@@ -205,46 +213,48 @@ class LLMEngine:
                 self.scheduler.add(seq)
         return failed
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.inputs.chat_token_ids(messages)
+    @staticmethod
+    def _ended(req: _CoreRequest, error: str) -> RequestDelta:
+        """The message for a request that failed in the core (its samples end with 'abort')."""
+        lps = [] if req.params.logprobs is not None else None
+        samples = [SampleDelta(i, [], 0.0 if lps is not None else None, lps, seq.finish_reason, seq.stop_reason)
+                   for i, seq in enumerate(req.seqs)]
+        return RequestDelta(req.rid, True, EngineCoreError(ErrorType.REQUEST, error), None, samples)
 
-    def add_chat_request(self, request_id: str, messages: list[dict], params: SamplingParams | None = None, **kwargs) -> None:
-        self.add_request(request_id, prompt_token_ids=self.apply_chat_template(messages), params=params, **kwargs)
-
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; its final output says 'abort'."""
-        req = self._requests.get(request_id)
+    def abort_request(self, rid: int | str) -> bool:
+        """Stop a request now and free its blocks (its caller writes the 'abort' output)."""
+        req = self._requests.get(str(rid))
         if req is None:
             return False
-        self._awaiting_grammar.pop(request_id, None)
+        if self._awaiting_grammar.pop(req.key, None) is not None:
+            for seq in req.seqs:  # never scheduled: the scheduler ends them, as it ends every sequence
+                self.scheduler.add(seq)
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
-        self._aborted_outputs.append(self._make_output(req))
         self._forget(req)
         return True
 
-    def finish_sample(self, request_id: str, index: int, stop_reason: str | None) -> None:
-        """End one sample as stopped (a stop string its caller found); the request's final
-        output comes with the next step once every sample has ended."""
-        req = self._requests.get(request_id)
+    def finish_sample(self, rid: int | str, index: int, stop_reason: str | None) -> None:
+        """End one sample as stopped (a stop string its caller found) and free its blocks."""
+        req = self._requests.get(str(rid))
         if req is None or req.seqs[index].is_finished:
             return
         self.scheduler.finish(req.seqs[index], "stop", stop_reason)
         if req.finished:
-            self._aborted_outputs.append(self._make_output(req))
             self._forget(req)
 
-    def _forget(self, req: _Request) -> None:
-        del self._requests[req.request_id]
+    def _forget(self, req: _CoreRequest) -> None:
+        key = req.key
+        del self._requests[key]
         self._num_history_requests -= self._reads_history(req.params)
         if req.params.structured_outputs is not None and self._structured is not None:
-            self._structured.free_request(req.request_id)
+            self._structured.free_request(key)
             for seq in req.seqs:
                 self._structured.free_sequence(seq.seq_id)
 
     # ---- the step ------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._aborted_outputs) or self._in_flight is not None
+        return bool(self._requests) or self._in_flight is not None
 
     def num_admittable(self) -> int:
         """How many more requests the engine takes now: up to ``max_num_seqs`` sequences running or
@@ -256,7 +266,7 @@ class LLMEngine:
             return 0
         return max(0, self.config.max_num_seqs - len(sched.running) - len(sched.waiting))
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta | TokenBatch]:
         """Plan and launch step N+1, then read step N's tokens while N+1 runs.
 
         The host's work for a step (scheduling, inputs, detokenization, stop checks,
@@ -266,7 +276,7 @@ class LLMEngine:
         With ``async_scheduling=False``, or while a request with penalties runs (its
         sampling reads the host's token history), step N is read before N+1 is planned.
         """
-        outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs: list[RequestDelta | TokenBatch] = []
         if self._awaiting_grammar:
             outputs += self._admit_compiled()
         prev = self._in_flight
@@ -284,8 +294,12 @@ class LLMEngine:
             outputs += self._read_tokens(prev)
         return outputs
 
-    def _read_tokens(self, step: StepHandle) -> list[RequestOutput]:
-        """Wait for a launched step's tokens and turn them into outputs."""
+    def _read_tokens(self, step: StepHandle) -> list[RequestDelta | TokenBatch]:
+        """Wait for a launched step's tokens, end the sequences they finish (EOS, stop token ids,
+        lengths, a grammar's end) and report them: one ``TokenBatch`` for the single-sample requests
+        without logprobs that go on, a ``RequestDelta`` for each other request."""
+        if step.prompt_logprobs is not None:
+            self._add_prompt_logprobs(step.prompt_logprobs.wait())
         sampled = step.result()
         # a loop over every sequence of the step: plain fields, no properties
         accepted = self.scheduler.append_tokens(step.seqs, sampled.token_ids)
@@ -294,40 +308,61 @@ class LLMEngine:
         self.num_generated_tokens += len(accepted)
         requests = self._requests
         logprobs = sampled.logprobs if sampled.logprobs.count(None) < len(sampled.logprobs) else None
-        now = time.monotonic()
-        # requests with an output to give: per-step (delta) ones, and whole (final) ones a sample of which ended
-        touched: dict[str, _Request] = {}
+        finished = SequenceStatus.FINISHED
+        rids: list = []
+        token_ids: list[int] = []
+        samples: dict[_CoreRequest, list[SampleDelta]] = {}  # the rest, per request
         for i, seq in accepted:
             req = requests[seq.request_id]
-            if req.first_token_time is None:
-                req.first_token_time = now
             token = seq.token_ids[-1]
-            if logprobs is not None and logprobs[i] is not None:
-                chosen, top = logprobs[i]
-                req.pending_logprobs[seq.sample_index].append(top)
-                req.cumulative_logprob[seq.sample_index] += chosen
-            self._check_stop(seq, req.detoks[seq.sample_index], token)
-            if req.params.output_kind != "final" or seq.status is SequenceStatus.FINISHED:
-                touched[req.request_id] = req
-        return self._outputs(touched.values())
-
-    def _outputs(self, reqs) -> list[RequestOutput]:
-        """The outputs of requests that made tokens this step (final ones only once finished)."""
-        outputs = []
-        for req in reqs:
-            if req.params.output_kind == "final" and not req.finished:
+            self._check_finish(seq, token)
+            if req.plain and seq.status is not finished:
+                rids.append(req.rid)
+                token_ids.append(token)
                 continue
-            out = self._make_output(req)
-            outputs.append(out)
-            if out.finished:
+            cumulative = lps = None
+            if req.params.logprobs is not None:
+                index = seq.sample_index
+                lps = []
+                if logprobs is not None and logprobs[i] is not None:
+                    chosen, top = logprobs[i]
+                    lps.append(top)
+                    req.cumulative_logprob[index] += chosen
+                cumulative = req.cumulative_logprob[index]
+            delta = SampleDelta(seq.sample_index, [token], cumulative, lps, seq.finish_reason, seq.stop_reason)
+            got = samples.get(req)
+            if got is None:
+                samples[req] = [delta]
+            else:
+                got.append(delta)
+        outputs: list[RequestDelta | TokenBatch] = [TokenBatch(rids, token_ids)] if rids else []
+        for req, deltas in samples.items():
+            done = req.finished
+            outputs.append(RequestDelta(req.rid, done, None, None, deltas, self._take_prompt_logprobs(req)))
+            if done:
                 self._forget(req)
         return outputs
 
-    def _check_stop(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> None:
+    def _add_prompt_logprobs(self, chunks) -> None:
+        """A step's chunks of prompt logprobs joined to their requests' (a chunk computed again after a
+        preemption adds only what is new)."""
+        for seq, first, lps in chunks:
+            req = self._requests.get(seq.request_id)
+            acc = req.prompt_logprobs if req is not None else None
+            if acc is not None and first <= len(acc):
+                acc.extend(lps[len(acc) - first:])
+
+    @staticmethod
+    def _take_prompt_logprobs(req: _CoreRequest) -> list | None:
+        """The request's prompt logprobs once all are in (then never again), else None."""
+        acc = req.prompt_logprobs
+        if acc is None or len(acc) < req.seqs[0].num_prompt_tokens:
+            return None
+        req.prompt_logprobs = None
+        return acc
+
+    def _check_finish(self, seq: Sequence, token: int) -> None:
         p = seq.params
-        if detok.add_token(token):  # a stop string ended the text
-            self.scheduler.finish(seq, "stop", detok.stop_reason)
-            return
         num_tokens = len(seq.token_ids)
         num_output = num_tokens - seq.num_prompt_tokens
         if p.structured_outputs is not None and self._grammar_terminated(seq, token):
@@ -352,40 +387,6 @@ class LLMEngine:
             return g.is_terminated()
         return g.is_terminated()
 
-    def _take_new(self, req: _Request, i: int) -> tuple[int, list[int], list[dict[int, float]] | None]:
-        """Sample i's output tokens (and logprobs) not reported yet: (index of the first, ids, logprobs)."""
-        seq = req.seqs[i]
-        start = req.reported[i]
-        new_ids = seq.token_ids[seq.num_prompt_tokens + start :]
-        req.reported[i] = start + len(new_ids)
-        lps, req.pending_logprobs[i] = req.pending_logprobs[i], []
-        return start, new_ids, lps if seq.params.logprobs is not None else None
-
-    @staticmethod
-    def _final_metrics(req: _Request) -> dict[str, float]:
-        if not req.finished or req.first_token_time is None:
-            return {}
-        return {"arrival_time": req.arrival_time, "time_to_first_token": req.first_token_time - req.arrival_time}
-
-    def _make_output(self, req: _Request) -> RequestOutput:
-        completions = []
-        for i, (seq, detok) in enumerate(zip(req.seqs, req.detoks)):
-            start, new_ids, lps = self._take_new(req, i)
-            completions.append(
-                CompletionOutput(
-                    index=i,
-                    text=detok.take_delta(seq.is_finished),
-                    token_ids=new_ids,
-                    first_token_index=start,
-                    cumulative_logprob=req.cumulative_logprob[i] if lps is not None else None,
-                    logprobs=lps,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
-                             error=req.error, metrics=self._final_metrics(req))
-
     # ---- stats ----------------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -405,3 +406,98 @@ class LLMEngine:
             num_generated_tokens=self.num_generated_tokens,
             kv_bound=self.scheduler.kv_bound,
         )
+
+
+class LLMEngine(ChatRequests):
+    """Continuous-batching engine over a paged KV cache: an ``EngineCore`` and the
+    ``OutputProcessor`` that turns its token ids into ``RequestOutput``s.
+
+    ``add_request`` checks its input and raises ``ValueError`` on anything bad;
+    ``step`` runs one forward pass and returns incremental ``RequestOutput``s.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, detokenize: bool = True, **kwargs) -> None:
+        """``detokenize=False``: outputs carry token ids only (no text, so no stop strings either)."""
+        self.core = core = EngineCore(config if config is not None else EngineConfig(**kwargs))
+        self.config = core.config
+        self.tokenizer = core.tokenizer
+        self.detokenize = detokenize
+        self.limits = core.limits
+        # the core's parts, for callers that look at them (benchmarks, tests, the worker's vocabulary check)
+        self.runner, self.scheduler, self.block_manager = core.runner, core.scheduler, core.block_manager
+        self.eos_token_ids, self.vocab_size = core.eos_token_ids, core.vocab_size
+        self.inputs = InputProcessor(self.tokenizer, self.limits, self.config.model)
+        self.output_processor = OutputProcessor(self.tokenizer if detokenize else None)
+        self._aborted_outputs: list[RequestOutput] = []  # reported with the next step
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def structured_outputs(self):
+        """The grammars of this engine (xgrammar), made on first use."""
+        return self.core.structured_outputs
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.core.num_generated_tokens
+
+    # ---- input -------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        resume_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request. ``resume_token_ids`` are output tokens already produced
+        (by a worker that died): they are re-prefilled, count toward max_tokens, and
+        their text counts as already emitted."""
+        if request_id in self.output_processor:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        ids, resume, params = self.inputs.process(prompt, params, prompt_token_ids, resume_token_ids)
+        self.core.add_request(request_id, ids, resume, params, priority)
+        self.output_processor.add_request(request_id, request_id, prompt, ids, resume, params)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its final output (finish_reason 'abort') comes
+        with the next step."""
+        out = self.output_processor.abort(request_id)
+        if out is None:
+            return False
+        self.core.abort_request(request_id)
+        self._aborted_outputs.append(out)
+        return True
+
+    # ---- the step ------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output_processor) or bool(self._aborted_outputs) or self.core.has_unfinished_requests()
+
+    def num_admittable(self) -> int:
+        """As ``EngineCore.num_admittable``."""
+        return self.core.num_admittable()
+
+    def step(self) -> list[RequestOutput]:
+        """``EngineCore.step`` (launch step N+1, read step N's token ids while N+1 runs), then those
+        ids through the output processor while N+1 still runs. A sample a stop string ended is
+        finished in the core here, before the next step is planned, so its blocks are free for it."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        core_outputs = self.core.step()
+        if not core_outputs:
+            return outputs
+        done = self.output_processor.process(core_outputs)
+        core = self.core
+        for rid in done.aborts:
+            core.abort_request(rid)
+        for rid, index, stop_reason in done.stop_samples:
+            core.finish_sample(rid, index, stop_reason)
+        if outputs:
+            outputs += done.outputs
+            return outputs
+        return done.outputs
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()

@@ -16,6 +16,7 @@ from pagestream.engine.input_batch import InputBatch
 from pagestream.engine.layers.attention import AttentionMetadata
 from pagestream.engine.loader import build_model
 from pagestream.engine.parallel_state import TPGroup, tensor_parallel
+from pagestream.engine.prompt_logprobs import PromptChunk, PromptLogprobs, compute_prompt_logprobs, prompt_chunks
 from pagestream.engine.rank_executor import TensorParallelDriver, unpack_step
 from pagestream.engine.sampler import HostSample, Sampler, SamplerOutput
 from pagestream.engine.scheduler import SchedulerOutput
@@ -76,6 +77,8 @@ class StepInputs:
     # len(sample_seqs) are sampled, the rest repeat the last (ModelRunner.sample_buckets)
     sample_rows: torch.Tensor
     sample_seqs: list[Sequence]
+    # prompts whose logprobs this step scores: their rows follow the sampled ones in ``sample_rows``
+    prompt_chunks: list[PromptChunk] | None = None
 
 
 @dataclass(slots=True)
@@ -87,11 +90,14 @@ class StepHandle:
     rows: dict[Sequence, int]
     token_ids: torch.Tensor | None  # [len(seqs)] int64 on the device
     host: "HostSample | None"
+    prompt_logprobs: PromptLogprobs | None = None  # the prompt chunks this step scored (those that asked)
+    sampled: SamplerOutput | None = None  # result(), once read
 
     def result(self) -> SamplerOutput:
-        if self.host is None:
-            return SamplerOutput([], [])
-        return self.host.wait()
+        """Wait for the host copy (once: the next step's mask may have read it already)."""
+        if self.sampled is None:
+            self.sampled = SamplerOutput([], []) if self.host is None else self.host.wait()
+        return self.sampled
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -192,6 +198,10 @@ class ModelRunner:
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
         self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
+        # structured outputs (set by LLMEngine): (sampled seqs, the step still in flight) -> the step's
+        # (bitmask, constrained rows), or None when no row is constrained. Called between the LM head
+        # and the sampler, so the host fills the mask while the device runs the forward pass.
+        self.grammar_rows = None
         self.input_batch = InputBatch(config.max_num_seqs, -(-config.max_model_len // self.block_size), self.block_size)
         # On CUDA the LM head runs on a bucketed number of rows, each bucket warmed at start-up: cuBLAS
         # sets up each new matmul shape on first use, 4-5 ms on the H200 (bench/decode_probe.py), which
@@ -380,6 +390,9 @@ class ModelRunner:
         lay = self.input_batch.layout(sched.num_scheduled_tokens, prev.rows if prev is not None else {})
         n_seq, width = lay.block_tables.shape
         sample_rows = lay.sample_rows
+        chunks, prompt_rows = prompt_chunks(sched.num_scheduled_tokens, lay.cu_seqlens_q)
+        if chunks:  # the LM head runs on them too, after the sampled rows
+            sample_rows = np.concatenate([sample_rows, prompt_rows])
         if self.sample_buckets and len(sample_rows):
             n = len(sample_rows)
             bucket = next((b for b in self.sample_buckets if b >= n), n)
@@ -409,7 +422,7 @@ class ModelRunner:
             decode_only=lay.max_seqlen_q == 1,
             has_single_query_seqs=lay.has_single_query_seqs,
         )
-        return StepInputs(ids, pos, meta, rows, lay.sample_seqs)
+        return StepInputs(ids, pos, meta, rows, lay.sample_seqs, chunks or None)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, prev: "StepHandle | None" = None) -> "StepHandle":
@@ -421,7 +434,7 @@ class ModelRunner:
         """
         inp = self.prepare(sched, prev)
         if self.driver is None:
-            return self._launch(inp)
+            return self._launch(inp, prev)
         # Tensor parallel: the other ranks run this step from a copy of its input buffers, taken
         # after prepare() wrote the tokens still on the device (async scheduling) into them, so only
         # rank 0 samples and the others never need the sampled ids: one broadcast per step carries
@@ -429,20 +442,32 @@ class ModelRunner:
         # request's sampling state, and any drift between ranks would corrupt the KV caches silently.)
         self.driver.publish(inp)
         with self.driver.guard():
-            handle = self._launch(inp)
+            handle = self._launch(inp, prev)
         if handle.host is not None:  # waiting for the ids must notice a dead rank rather than hang
             handle.host.event = self.driver.watch(handle.host.event)
         return handle
 
-    def _launch(self, inp: StepInputs) -> "StepHandle":
+    def _launch(self, inp: StepInputs, prev: "StepHandle | None" = None) -> "StepHandle":
         hidden = self._forward(inp)
-        if not inp.sample_seqs:
+        if not inp.sample_seqs and not inp.prompt_chunks:
             return StepHandle([], {}, None, None)
-        # [num_sample, vocab]: the rows past num_sample only pad the matmul to its bucket
-        logits = self.model.compute_logits(hidden.index_select(0, inp.sample_rows))[: len(inp.sample_seqs)]
-        sampled = self.sampler(logits, inp.sample_seqs)
+        # [num_sample (+ prompt rows), vocab]: the rows past those only pad the matmul to its bucket
+        all_logits = self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
+        num_sample = len(inp.sample_seqs)
+        prompt_lps = None
+        if inp.prompt_chunks:
+            num_rows = sum(len(c.targets) for c in inp.prompt_chunks)
+            prompt_lps = compute_prompt_logprobs(all_logits[num_sample : num_sample + num_rows], inp.prompt_chunks)
+        if not num_sample:
+            return StepHandle([], {}, None, None, prompt_lps)
+        logits = all_logits[:num_sample]
+        # Structured outputs: only the sampler needs the mask. The forward pass and LM head are queued
+        # already; grammar_rows waits for prev's tokens (the matchers need them) while the device runs
+        # this step's forward, then fills the mask on the host.
+        mask = self.grammar_rows(inp.sample_seqs, prev) if self.grammar_rows is not None else None
+        sampled = self.sampler(logits, inp.sample_seqs) if mask is None else self.sampler(logits, inp.sample_seqs, mask)
         return StepHandle(inp.sample_seqs, {s: i for i, s in enumerate(inp.sample_seqs)}, sampled.token_ids,
-                          sampled.to_host())
+                          sampled.to_host(), prompt_lps)
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self._replay(inp.input_ids, inp.positions, inp.meta) if self.graphs else None

@@ -38,6 +38,9 @@ class RequestOutput:
     # set when the request ended with an error instead of output (never raised inside step())
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # when asked (SamplingParams.prompt_logprobs): per prompt token, None for the first, then {token_id: logprob}
+    # of the prompt's token and the top k. In the first output that has them (delta) or the final one.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True)

@@ -83,9 +83,6 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._seeded = torch.Generator(device=device)
-        # structured outputs: the engine's function giving a step's (bitmask, constrained rows) for its
-        # sampled sequences, or None when no row is constrained (set by LLMEngine)
-        self.grammar_rows = None
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
@@ -96,14 +93,12 @@ class Sampler:
         from the step still in flight counts). Penalties read the token history on
         the host, so the engine runs steps with penalised sequences synchronously.
 
-        ``grammar_bitmask`` (structured outputs): (bitmask [num_seqs, words] int32, the rows it
-        constrains); those rows' forbidden tokens get -inf before any other sampler step, so
+        ``grammar_bitmask`` (structured outputs, from ``ModelRunner.grammar_rows``): (bitmask
+        [num_seqs, words] int32, the rows it constrains); those rows' forbidden tokens get -inf before any other sampler step, so
         temperature, top-k/p, min-p, penalties and seeds all draw from the allowed tokens.
         Logprobs report the model's distribution before the mask (as vLLM's raw logprobs).
         """
         # logits: [num_seqs, vocab] float32 (the model's raw output for each row's last position)
-        if grammar_bitmask is None and self.grammar_rows is not None:
-            grammar_bitmask = self.grammar_rows(seqs)
         masked = grammar_bitmask is not None and bool(grammar_bitmask[1])
         if self._plain_greedy(seqs):
             if masked:
@@ -119,6 +114,8 @@ class Sampler:
             logits = logits.clone() if want_logprobs else logits
             self._apply_grammar(logits, grammar_bitmask)
 
+        if any(p.biases_logits for p in params):
+            logits = self._apply_logit_bias(logits.clone(), seqs)
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), seqs)
         logits = self._apply_min_tokens(logits, seqs)
@@ -155,12 +152,28 @@ class Sampler:
         for s in seqs:
             p = s.params
             if p is not checked:
-                if p.logprobs is not None or not p.greedy or p.uses_penalties:
+                if p.logprobs is not None or not p.greedy or p.uses_penalties or p.biases_logits:
                     return False
                 checked = p
             if p.min_tokens and len(s.token_ids) + s.num_pending_tokens - s.num_prompt_tokens < p.min_tokens:
                 return False
         return True
+
+    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """``allowed_token_ids`` (every other token -inf), then ``logit_bias`` added, as vLLM orders them:
+        after a grammar's mask, before penalties, min_tokens and temperature."""
+        vocab = logits.shape[1]
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.allowed_token_ids is not None:
+                keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], device=logits.device, dtype=torch.long)
+                row = torch.full_like(logits[i], float("-inf"))
+                row[keep] = logits[i, keep]
+                logits[i] = row
+            if p.logit_bias:
+                ids = [t for t in p.logit_bias if t < vocab]
+                logits[i, ids] += torch.tensor([p.logit_bias[t] for t in ids], device=logits.device, dtype=logits.dtype)
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[1]

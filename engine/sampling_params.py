@@ -32,6 +32,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs returned per output token
+    # per prompt position after the first: {token_id: logprob} of the prompt's token and the top k
+    # (RequestOutput.prompt_logprobs, as vLLM's); such a request reads no prefix cache for its prompt
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # "delta": every step reports the new tokens and text (streaming, the worker);
@@ -41,6 +44,10 @@ class SamplingParams:
     # constrain the output to a JSON schema, JSON object, regex, choice or grammar (a dict is
     # taken as StructuredOutputsParams' fields, as the queue's job schema carries it)
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    # OpenAI's logit_bias: added to these tokens' logits before sampling, each in [-100, 100]
+    logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: only these tokens may be sampled
+    allowed_token_ids: list[int] | None = None
     _stop_strs: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +55,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self._stop_strs = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:  # JSON's keys are strings
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -80,12 +91,19 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.output_kind not in ("delta", "final"):
             raise ValueError(f"output_kind must be 'delta' or 'final', got {self.output_kind!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        for t, bias in (self.logit_bias or {}).items():
+            if t < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {t}: {bias}")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +112,11 @@ class SamplingParams:
     @property
     def stop_strs(self) -> list[str]:
         return self._stop_strs
+
+    @property
+    def biases_logits(self) -> bool:
+        """``logit_bias`` or ``allowed_token_ids`` change the logits before sampling (no token history needed)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def uses_penalties(self) -> bool:

@@ -52,38 +52,86 @@ class GatewayProc:
         self._log.close()
 
 
+def openai_client(gw: "GatewayProc", key: str = "none", timeout: float = 120):
+    """The official openai client on a gateway: no retries (a test sees every answer), ``key`` as its Bearer."""
+    import openai
+
+    return openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0, timeout=timeout)
+
+
+def read_sse(source, stop_after: int | None = None) -> list[dict]:
+    """The SSE events of an httpx streaming response (or of its ``iter_lines()``, to read on later), each a
+    dict of its fields (``id``, ``data``); with ``stop_after``, stop reading once that many arrived (the
+    caller then reads on, hangs up or kills the server)."""
+    lines = source.iter_lines() if hasattr(source, "iter_lines") else source
+    events, current = [], {}
+    for line in lines:
+        if not line:
+            if current:
+                events.append(current)
+            current = {}
+            if stop_after is not None and len(events) == stop_after:
+                break
+            continue
+        name, _, value = line.partition(":")
+        current[name] = value.lstrip(" ")
+    return events
+
+
 @contextlib.contextmanager
-def batch_stack(log_dir: Path, files_dir: Path, model: str, consumer: str, *gateway_args: str, gateway_env: dict | None = None):
-    """A fake-engine worker serving ``model``, a gateway keeping files in ``files_dir`` and a bulk-worker,
-    on the test db (flushed before and after); yields ``{"gw", "r", "log_dir"}`` once the model is announced."""
+def gateway_stack(redis_url: str, log_dir: Path, model: str, consumer: str, *worker_args: str, engine: str = "fake:5",
+                  gateway_args: tuple[str, ...] = (), gateway_env: dict | None = None, worker_env: dict | None = None,
+                  flush: bool = True):
+    """A fake-engine worker serving ``model`` (``engine``: ``fake:<ms a step>``) and a gateway on ``redis_url``
+    (its db flushed before and after unless ``flush`` is off); yields ``{"gw", "worker", "r", "log_dir"}`` once
+    the worker's model is announced."""
     import redis
 
     from pagestream.producer import Producer
     from queue_helpers import WorkerProc
 
-    r = redis.Redis.from_url(DB_URL)
-    r.flushdb()
-    worker = WorkerProc(DB_URL, "fake:5", consumer, "--served-model-name", model, "--max-model-len", "128",
-                        log_dir=log_dir, env={"PAGESTREAM_BULK_FLUSH_INTERVAL_S": "0.2"})
-    gw = GatewayProc(DB_URL, *gateway_args, log_dir=log_dir,
-                     env={"PAGESTREAM_GATEWAY_FILES_URI": str(files_dir), **(gateway_env or {})})
-    bulk_log = open(log_dir / "bulk-worker.log", "w")
-    bulk_worker = subprocess.Popen([sys.executable, "-m", "pagestream.worker.cli", "bulk-worker", "--redis-url", DB_URL],
-                                   cwd=ROOT, stdout=bulk_log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    r = redis.Redis.from_url(redis_url)
+    if flush:
+        r.flushdb()
+    worker = WorkerProc(redis_url, engine, consumer, "--served-model-name", model, *worker_args, log_dir=log_dir,
+                        env=worker_env)
+    gw = GatewayProc(redis_url, *gateway_args, log_dir=log_dir, env=gateway_env)
     try:
         worker.wait_ready()
         gw.wait_ready()
         wait_for(lambda: model in Producer(r).live_models(), 60, "the worker's announcement")
-        yield {"gw": gw, "r": r, "log_dir": log_dir}
+        yield {"gw": gw, "worker": worker, "r": r, "log_dir": log_dir}
     finally:
         gw.stop()
         worker.stop()
-        bulk_worker.terminate()
-        try:
-            bulk_worker.wait(30)
-        except subprocess.TimeoutExpired:
+        if flush:
+            r.flushdb()
+        r.close()
+
+
+@contextlib.contextmanager
+def batch_stack(log_dir: Path, files_dir: Path, model: str, consumer: str, *gateway_args: str, gateway_env: dict | None = None,
+                engine: str = "fake:5", worker_args: tuple[str, ...] = ("--max-model-len", "128")):
+    """``gateway_stack`` on the test db with the gateway keeping files in ``files_dir``, plus a bulk-worker;
+    yields ``{"gw", "worker", "r", "log_dir"}`` once the model is announced."""
+    bulk_log = open(log_dir / "bulk-worker.log", "w")
+    bulk_worker = None
+    try:
+        with gateway_stack(DB_URL, log_dir, model, consumer, *worker_args, engine=engine, gateway_args=gateway_args,
+                           gateway_env={"PAGESTREAM_GATEWAY_FILES_URI": str(files_dir), **(gateway_env or {})},
+                           worker_env={"PAGESTREAM_BULK_FLUSH_INTERVAL_S": "0.2"}) as s:
+            bulk_worker = subprocess.Popen([sys.executable, "-m", "pagestream.worker.cli", "bulk-worker", "--redis-url", DB_URL],
+                                           cwd=ROOT, stdout=bulk_log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            yield s
+            bulk_worker.terminate()
+            try:
+                bulk_worker.wait(30)
+            except subprocess.TimeoutExpired:
+                bulk_worker.kill()
+                bulk_worker.wait(10)
+    finally:
+        if bulk_worker is not None and bulk_worker.poll() is None:
             bulk_worker.kill()
             bulk_worker.wait(10)
         bulk_log.close()
-        r.flushdb()
-        r.close()

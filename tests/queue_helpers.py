@@ -24,6 +24,7 @@ class WorkerProc:
 
     def __init__(self, redis_url: str, model: str, consumer: str, *args: str, log_dir: Path, env: dict | None = None) -> None:
         self.consumer = consumer
+        self.metrics_port = int(args[args.index("--metrics-port") + 1]) if "--metrics-port" in args else None
         self.log_path = log_dir / f"{consumer}.log"
         self._log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "pagestream.worker.cli", "worker", "--redis-url", redis_url, "--model", model,

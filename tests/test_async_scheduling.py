@@ -73,7 +73,7 @@ def test_a_request_aborted_with_a_step_in_flight_gets_no_more_tokens(tiny_llama_
     while seen["a"] < 3:
         for o in engine.step():
             seen[o.request_id] += len(o.outputs[0].token_ids)
-    assert engine._in_flight is not None  # a step holding a token of "a" is on its way
+    assert engine.core.step_in_flight  # a step holding a token of "a" is on its way
     assert engine.abort_request("a")
     after = []
     while engine.has_unfinished_requests():

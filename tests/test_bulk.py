@@ -93,6 +93,8 @@ def test_parse_line_forms_and_reasons():
     chat_lp = b'{"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": true%s}}'
     assert parse_line(chat_lp % b', "top_logprobs": 4', 1).logprobs == 4 and parse_line(chat_lp % b"", 1).logprobs == 0
     assert ok.logprobs is None and parse_line(b'{"messages": [{"role": "user", "content": "x"}], "logprobs": false}', 1).logprobs is None
+    # vLLM's prompt_logprobs ride on the job (the output body carries them in vLLM's shape)
+    assert parse_line(b'{"prompt": "a", "prompt_logprobs": 2}', 1).body.sampling() == {"prompt_logprobs": 2}
     cases = {
         b"{oops": "invalid JSON",
         b"[1]": "JSON object",
@@ -116,6 +118,22 @@ def test_parse_line_forms_and_reasons():
     for raw, reason in cases.items():
         bad = parse_line(raw, 42)
         assert isinstance(bad, BadLine) and bad.line == 42 and reason in bad.reason, (raw, bad)
+
+
+def test_a_lines_logit_bias_and_allowed_token_ids_reach_its_job_or_name_the_field():
+    from pagestream.producer.bulk.orchestrator import bulk_job
+    from pagestream.producer.bulk.api import BulkSpec
+    from pagestream.producer.protocol.schema import JobRequest
+
+    spec = BulkSpec(bulk_id="batch_lb", input="/in.jsonl", output="/out")
+    line = parse_line(b'{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "hi", '
+                      b'"logit_bias": {"5": -100, "7": 2.5}, "allowed_token_ids": [5, 7, 9]}}', 1)
+    job = JobRequest(**bulk_job(line, spec))
+    assert job.sampling.logit_bias == {5: -100.0, 7: 2.5} and job.sampling.allowed_token_ids == [5, 7, 9]
+    for body, field in ((b'"logit_bias": {"5": 300}', "logit_bias"), (b'"logit_bias": {"x": 1}', "logit_bias"),
+                        (b'"allowed_token_ids": []', "allowed_token_ids")):
+        bad = bulk_job(parse_line(b'{"prompt": "hi", ' + body + b"}", 3), spec)
+        assert isinstance(bad, BadLine) and field in bad.reason, bad
 
 
 # ---- storage --------------------------------------------------------------------------------
@@ -256,7 +274,10 @@ def test_cancel_finalizes_what_is_done(redis_url, tmp_path):
     st = run_bulk_with_standins(redis_url, bulk_id, n_workers=1)
     assert st["status"] == "cancelled"
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["status"] == "cancelled" and manifest["request_counts"]["total"] < 200
+    # every line is accounted for: none ran, so each is an error line with code "cancelled" (issue 22)
+    assert manifest["status"] == "cancelled" and manifest["request_counts"] == {"total": 200, "completed": 0, "failed": 200}
+    errors = read_jsonl((out / "errors-00000.jsonl").read_bytes())
+    assert len(errors) == 200 and {e["error"]["code"] for e in errors} == {"cancelled"}
 
 
 def test_expired_bulk_finalizes_what_is_done(redis_url, tmp_path):
@@ -269,6 +290,10 @@ def test_expired_bulk_finalizes_what_is_done(redis_url, tmp_path):
     assert st["status"] == "expired" and st["request_counts"]["completed"] == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "expired" and (out / "output-00000.jsonl").read_bytes() == b""
+    # every line is accounted for: an error line with code "expired" each (issue 22)
+    assert manifest["request_counts"] == {"total": 50, "completed": 0, "failed": 50}
+    errors = read_jsonl((out / "errors-00000.jsonl").read_bytes())
+    assert len(errors) == 50 and {e["error"]["code"] for e in errors} == {"expired"}
 
 
 def test_cli_submit_wait_status_cancel_with_plain_rq_worker(redis_url, tmp_path):
@@ -489,3 +514,15 @@ def test_cancel_with_real_worker_skips_queued_jobs_and_finalizes_without_waiting
     assert r.xpending(keys.jobs_stream("low"), keys.DEFAULT_GROUP)["pending"] == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "cancelled"
+
+
+def test_finalize_cleanup_removes_what_a_part_writer_killed_mid_write_left(tmp_path):
+    """kill -9 between a part's temp file and its rename leaves ``parts/.tmp-*``; after the
+    manifest, the output directory holds no ``parts/`` at all."""
+    from pagestream.producer.bulk.finalize import remove_parts
+
+    out = LocalStorage(str(tmp_path / "out"))
+    out.put_bytes("parts/w0-000001.jsonl", b"{}\n")
+    (tmp_path / "out" / "parts" / ".tmp-0123456789abcdef").write_bytes(b"half a li")
+    assert remove_parts(out) == 1
+    assert not (tmp_path / "out" / "parts").exists()

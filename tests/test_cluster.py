@@ -7,6 +7,7 @@ to run on the cluster instead of failing obscurely.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -152,7 +153,10 @@ def test_the_gateway_serves_completions_and_streams_from_a_cluster(cluster, tmp_
     from tests.queue_helpers import WorkerProc, wait_for
 
     worker = WorkerProc(cluster.url, "fake:5", "gw-cluster-w", "--served-model-name", "fake-model", log_dir=tmp_path)
-    gw = GatewayProc(cluster.url, "--max-queue-depth", "1000", log_dir=tmp_path)
+    # per-tenant limits and stream leases on a cluster: each tenant's counts share one hash tag, the leases one key
+    limits = json.dumps({"*": {"max_queued_jobs": 2, "max_queued_tokens": 1000, "max_concurrent_streams": 1}})
+    gw = GatewayProc(cluster.url, "--max-queue-depth", "1000", log_dir=tmp_path,
+                     env={"PAGESTREAM_GATEWAY_TENANT_LIMITS": limits, "PAGESTREAM_GATEWAY_STREAM_RESUME_GRACE_S": "2"})
     try:
         worker.wait_ready()
         gw.wait_ready()
@@ -162,6 +166,12 @@ def test_the_gateway_serves_completions_and_streams_from_a_cluster(cluster, tmp_
         assert done.choices[0].text == FakeEngine().expected_text("the quick brown fox", 11, 7)
         chunks = list(c.completions.create(model="fake-model", prompt="the quick brown fox", max_tokens=7, seed=11, stream=True))
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == done.choices[0].text
+        for _ in range(3):  # released as each ends: the limit of 2 never refuses these
+            assert c.completions.create(model="fake-model", prompt="again", max_tokens=3).choices[0].text
+        with pytest.raises(openai.RateLimitError):  # a second stream while one is open: past max_concurrent_streams
+            with c.completions.create(model="fake-model", prompt="hold", max_tokens=400, stream=True) as held:
+                next(iter(held))
+                c.completions.create(model="fake-model", prompt="two more", max_tokens=2, stream=True)
     finally:
         gw.stop()
         worker.stop()

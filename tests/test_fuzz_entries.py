@@ -185,7 +185,7 @@ def _check(r: redis.Redis, url: str, batch: list[Case]) -> None:
         assert res.status == JobStatus.COMPLETED and res.deliveries == 1
         assert res.text == engine.expected_text("the good neighbour", seed=7, max_tokens=12)
     assert r.xpending(LANE, "workers")["pending"] == 0
-    assert not w.intake.buffer and not w._active and w.state.num_held() == 0
+    assert not w.jobs and w.state.num_held() == 0
 
     dead = [json.loads(f[b"meta"]) for _, f in r.xrange(keys.dead_letter_stream())]
     dead_ids = [d["job_id"] for d in dead]

@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 from pagestream.producer.gateway.app import create_app
 from pagestream.producer.gateway.settings import GatewaySettings
 
-OPEN = {"/health", "/metrics", "/openapi.json"}
+# vLLM leaves its probes open too (its API-key check covers /v1 only); /invocations submits jobs, so it keeps the key
+OPEN = {"/health", "/ping", "/version", "/load", "/metrics", "/openapi.json"}
 
 
 def _routes(routes):
@@ -38,4 +39,5 @@ def test_every_route_but_the_probes_answers_401_without_the_key(redis_url):
                 assert resp.json()["error"]["code"] == "invalid_api_key"
                 ok = client.request(method, path, json={}, headers={"Authorization": "Bearer k1"})
                 assert ok.status_code != 401, (method, path)
+    assert ("POST", "/invocations") in checked and ("GET", "/v1/models/{model:path}") in checked
     assert ("POST", "/v1/chat/completions") in checked and ("GET", "/v1/files/{file_id}/content") in checked

@@ -240,3 +240,61 @@ def test_vllm_surface_on_smollm2_prompt_lists_token_ids_and_vocabulary_checks(se
                                               messages=[{"role": "narrator", "content": "Once upon a time"},
                                                         {"role": "user", "content": "Go on."}])
     assert any_role.choices[0].message.content
+
+
+def test_a_streamed_echo_with_logprobs_on_smollm2_equals_the_engines_prompt_logprobs(served, llm):
+    """Issue 24: vLLM streams ``echo`` with ``logprobs``; the prompt's tokens and logprobs lead each choice's first
+    chunk (scored by the worker in prefill), they equal the engine's own ``prompt_logprobs``, and the stream adds
+    up to the answer not streamed (a text prompt, and a token-id prompt as lm-evaluation-harness sends one)."""
+    from pagestream.engine import SamplingParams
+
+    tok = llm.get_tokenizer()
+    text = "The capital of France is"
+    ids = tok.encode(text)
+    want = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    for prompt, max_tokens in ((text, 3), (ids, 0)):
+        kw = dict(model="smollm2", prompt=prompt, max_tokens=max_tokens, temperature=0.0, echo=True, logprobs=1)
+        whole = served.completions.create(**kw).choices[0]
+        chunks = [c for c in served.completions.create(stream=True, **kw) if c.choices]
+        first = chunks[0].choices[0]
+        assert first.text.startswith(text) and first.logprobs.tokens[:len(ids)] == [tok.decode([i]) for i in ids]
+        assert first.logprobs.token_logprobs[0] is None
+        for j in range(1, len(ids)):
+            assert first.logprobs.token_logprobs[j] == pytest.approx(want.prompt_logprobs[j][ids[j]], abs=1e-4)
+        assert "".join(c.choices[0].text for c in chunks) == whole.text
+        assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == whole.logprobs.tokens
+        assert [t for c in chunks for t in c.choices[0].logprobs.token_logprobs] == whole.logprobs.token_logprobs
+        assert [t for c in chunks for t in c.choices[0].logprobs.text_offset] == whole.logprobs.text_offset
+        assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "length"
+    assert whole.text == text  # max_tokens=0: the prompt alone
+
+
+def test_logit_bias_and_allowed_token_ids_steer_the_tokens_as_in_the_engine(served, llm):
+    """OpenAI's logit_bias and vLLM's allowed_token_ids through the queue: the same tokens as ``LLM.generate``
+    with the same params, and the steering a user asked for (+100 on a token makes greedy pick it every time;
+    only the allowed tokens are ever sampled, also at temperature 1)."""
+    from pagestream.engine import SamplingParams
+
+    prompt = "The capital of France is"
+    forced = llm.get_tokenizer().encode(" blue")[0]
+    got = served.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=5,
+                                    logit_bias={str(forced): 100}, extra_body={"return_token_ids": True})
+    assert got.choices[0].model_dump()["token_ids"] == [forced] * 5
+    plain = served.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=5)
+    first = llm.get_tokenizer().encode(plain.choices[0].text)[0]
+    banned = served.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=5,
+                                       logit_bias={str(first): -100}, extra_body={"return_token_ids": True})
+    assert banned.choices[0].model_dump()["token_ids"][0] != first
+    want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logit_bias={first: -100}),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    assert banned.choices[0].model_dump()["token_ids"] == list(want)
+
+    allowed = [llm.get_tokenizer().encode(w)[0] for w in (" yes", " no", " maybe")]
+    msgs = [{"role": "user", "content": "Is the sky green?"}]
+    chat = served.chat.completions.create(model="smollm2", messages=msgs, temperature=1.0, seed=11, max_tokens=8,
+                                          extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    ids = chat.choices[0].model_dump()["token_ids"]
+    assert ids and set(ids) <= set(allowed), ids
+    want_chat = llm.chat(msgs, SamplingParams(temperature=1.0, seed=11, max_tokens=8, allowed_token_ids=allowed),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    assert ids == list(want_chat)

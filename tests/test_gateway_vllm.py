@@ -11,7 +11,8 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway_helpers import DB_URL, GatewayProc
-from pagestream.producer import JobResult, Producer
+from pagestream.producer import JobStatus, Producer
+from pagestream.producer.protocol.schema import ErrorCode
 from pagestream.producer.protocol import keys
 from private_redis import free_port
 from pagestream.worker.fake_engine import FakeEngine
@@ -137,9 +138,30 @@ def test_continuous_usage_stats_count_tokens_on_every_chunk(stack):
     c = stack["client"]
     chunks = list(c.completions.create(model=MODEL, prompt="count along", max_tokens=5, seed=2, stream=True,
                                        stream_options={"include_usage": True, "continuous_usage_stats": True}))
-    counts = [ch.usage.completion_tokens for ch in chunks if ch.choices and ch.usage is not None]
+    usages = [ch.usage for ch in chunks if ch.choices and ch.usage is not None]
+    counts = [u.completion_tokens for u in usages]
     assert counts and counts == sorted(counts) and counts[-1] == 5
+    # vLLM's: every chunk's usage has the prompt's size (the job's first event brings it), not 0
+    assert all(u.prompt_tokens == 2 and u.total_tokens == 2 + u.completion_tokens for u in usages)
     assert chunks[-1].usage.prompt_tokens == 2
+
+
+def test_a_stream_with_return_token_ids_gives_each_choice_its_prompts_ids_once(stack):
+    c, fake = stack["client"], FakeEngine()
+    prompts = ["the ids of this", "and these"]
+    whole = c.completions.create(model=MODEL, prompt=prompts, max_tokens=3, seed=2, n=2,
+                                 extra_body={"return_token_ids": True})
+    chunks = list(c.completions.create(model=MODEL, prompt=prompts, max_tokens=3, seed=2, n=2, stream=True,
+                                       extra_body={"return_token_ids": True}))
+    seen: dict[int, list] = {}
+    ids: dict[int, list[int]] = {}
+    for ch in chunks:
+        for choice in ch.model_dump()["choices"]:
+            if choice.get("prompt_token_ids") is not None:
+                seen.setdefault(choice["index"], []).append(choice["prompt_token_ids"])
+            ids.setdefault(choice["index"], []).extend(choice["token_ids"])
+    assert seen == {i: [fake.tokenizer.encode(prompts[i // 2])] for i in range(4)}  # on its first chunk alone
+    assert ids == {ch.index: ch.model_dump()["token_ids"] for ch in whole.choices}
 
 
 @pytest.mark.parametrize("body, param", [
@@ -154,11 +176,14 @@ def test_continuous_usage_stats_count_tokens_on_every_chunk(stack):
     ({"prompt": "x", "logit_bias": {"70000": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"x": 1.0}}, "logit_bias"),
     ({"prompt": "x", "seed": 2**63}, "seed"),
-    # not in the engine yet: refused, never ignored
-    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
-    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
-    ({"prompt": "x", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "logit_bias": {"5": 101.0}}, "logit_bias"),  # OpenAI's range: [-100, 100]
+    ({"prompt": "x", "allowed_token_ids": [1, 99_999]}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    # vLLM's checks of prompt logprobs; their values come with the result, so not on a stream
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
 ])
 def test_bad_inputs_answer_400_with_the_reason_before_any_worker_step(stack, body, param):
     r = stack["r"]
@@ -170,24 +195,35 @@ def test_bad_inputs_answer_400_with_the_reason_before_any_worker_step(stack, bod
     assert _lane_lengths(r) == before
 
 
-def test_a_prompt_the_worker_refuses_fails_the_request_and_cancels_the_others(stack):
+def test_a_prompt_past_the_context_is_a_400_before_anything_is_queued(stack):
     c, r = stack["client"], stack["r"]
-    before = set(r.scan_iter(match="ps:job:*"))
-    too_long = " ".join(f"w{i}" for i in range(1900))  # with max_tokens 1000 past the 2048 context: the worker refuses it
-    with pytest.raises(openai.InternalServerError) as info:
+    before, lanes = set(r.scan_iter(match="ps:job:*")), _lane_lengths(r)
+    too_long = " ".join(f"w{i}" for i in range(1900))  # with max_tokens 1000 past the 2048 context
+    with pytest.raises(openai.BadRequestError) as info:
         c.completions.create(model=MODEL, prompt=["a short one", too_long, "another short one"], max_tokens=1000)
-    assert "max_model_len" in info.value.body["message"]
-    new = [k for k in r.scan_iter(match="ps:job:*") if k not in before and r.type(k) == b"hash"]
+    assert "This model's maximum context length is 2048 tokens" in info.value.body["message"], info.value.body
+    assert info.value.body["param"] == "prompt" and info.value.body["code"] == "invalid_input"
+    with pytest.raises(openai.BadRequestError) as info:  # chat: the template counted by the worker's tokenizer
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": too_long}], max_tokens=1000)
+    assert "in the messages" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError):  # token ids: counted by the gateway itself
+        c.completions.create(model=MODEL, prompt=[7] * 2000, max_tokens=100)
+    assert set(r.scan_iter(match="ps:job:*")) == before and _lane_lengths(r) == lanes
+    ok = c.completions.create(model=MODEL, prompt=too_long, max_tokens=20)  # it fits with fewer new tokens
+    assert ok.choices[0].finish_reason == "length"
 
-    def statuses() -> list[str]:
-        out = []
-        for k in new:
-            raw = r.hget(k, "result")
-            out.append(JobResult.model_validate_json(raw).status.value if raw else "pending")
-        return sorted(out)
 
-    # each short prompt would take 1000 steps of 2 ms: it is cancelled, not left running
-    wait_for(lambda: statuses() == ["cancelled", "cancelled", "failed"], 30, f"the other prompts cancelled ({statuses()})")
+def test_a_prompt_the_engine_refuses_fails_as_invalid_input_without_a_dead_letter(stack):
+    """Past the gateway (a producer submitting directly), the engine's refusal at admission is the
+    request's fault: a failed result saying why, coded ``invalid_input`` (a gateway answers it 400), no DLQ copy."""
+    r = stack["r"]
+    dead = r.xlen(keys.dead_letter_stream())
+    producer = Producer(r)
+    job = producer.submit(prompt=" ".join(f"w{i}" for i in range(1900)), max_tokens=1000, model=MODEL)
+    res = producer.result(job, timeout=30)
+    assert res.status == JobStatus.FAILED and res.error_code == ErrorCode.INVALID_INPUT, res
+    assert "maximum context length" in res.error
+    assert r.xlen(keys.dead_letter_stream()) == dead
 
 
 def _families(text: str) -> dict:
@@ -238,3 +274,112 @@ def test_vllm_metric_names_with_model_name_move_with_traffic(stack):
                                   "vllm:num_preemptions"):
         assert name in worker, name
     assert [s.labels["model_name"] for s in worker["vllm:num_requests_waiting"].samples] == [MODEL]
+
+
+def test_echo_with_logprobs_leads_with_the_prompts_tokens_and_prompt_logprobs_come_in_vllms_shape(stack):
+    c, fake = stack["client"], FakeEngine()
+    prompt = "score these four words"
+    ids = fake.tokenizer.encode(prompt)
+    out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, seed=5, echo=True, logprobs=1)
+    ch = out.choices[0]
+    assert ch.text == prompt + fake.expected_text(prompt, 5, 2)
+    lp = ch.logprobs
+    want_prompt = fake.expected_prompt_logprobs(ids, 1)
+    assert lp.tokens[:4] == [f"<{i}>" for i in ids] and len(lp.tokens) == 6
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:4] == [want_prompt[j][ids[j]] for j in range(1, 4)]
+    assert lp.token_logprobs[4:] == [d[t] for d, t in zip(fake.expected_logprobs(prompt, 5, 2, 1),
+                                                         [int(x.strip("<>")) for x in lp.tokens[4:]])]
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:4])  # the prompt's token and the most likely one
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(6)]
+    assert ch.model_extra["prompt_logprobs"][0] is None  # what vLLM computed for the echo, reported too
+
+    # lm-evaluation-harness's loglikelihood: token-id prompts, echo, max_tokens=0 (or 1), logprobs=1
+    only = c.completions.create(model=MODEL, prompt=[ids, ids[:2]], max_tokens=0, echo=True, logprobs=1, temperature=0)
+    assert [ch.text for ch in only.choices] == ["".join(f"<{i}>" for i in ids), "".join(f"<{i}>" for i in ids[:2])]
+    assert only.choices[0].logprobs.token_logprobs == [None, *(want_prompt[j][ids[j]] for j in range(1, 4))]
+    assert len(only.choices[1].logprobs.tokens) == 2
+    plain_echo = c.completions.create(model=MODEL, prompt=[ids], max_tokens=1, echo=True, seed=5)
+    assert plain_echo.choices[0].text.startswith("".join(f"<{i}>" for i in ids)) and plain_echo.choices[0].logprobs is None
+    assert "prompt_logprobs" not in (plain_echo.choices[0].model_extra or {})
+
+    # vLLM's prompt_logprobs extension: per choice on completions, on the response on chat
+    body = httpx.post(stack["gw"].base_url + "/completions", timeout=60,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    pl = body["choices"][0]["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids)
+    assert pl[1][str(ids[1])] == {"logprob": want_prompt[1][ids[1]], "rank": None, "decoded_token": f"<{ids[1]}>"}
+    assert len(pl[1]) == 3 and sorted(v["rank"] for k, v in pl[1].items() if k != str(ids[1])) == [1, 2]
+    assert body["choices"][0]["logprobs"] is None
+    chat = httpx.post(stack["gw"].base_url + "/chat/completions", timeout=60,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 1,
+                            "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(d) == 1 for d in chat["prompt_logprobs"][1:])
+
+
+def _joined_stream(chunks) -> dict[int, dict]:
+    """Each choice of a completions stream put back together: its text, logprobs' lists, finish reason."""
+    out: dict[int, dict] = {}
+    for chunk in chunks:
+        for ch in chunk.choices:
+            c = out.setdefault(ch.index, {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                          "text_offset": [], "finish_reason": None, "first": ch})
+            c["text"] += ch.text
+            if ch.logprobs is not None:
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    c[k] += getattr(ch.logprobs, k)
+            c["finish_reason"] = ch.finish_reason or c["finish_reason"]
+    return out
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(prompt="score these four words", max_tokens=3, logprobs=1, n=2, seed=5),  # text: offsets count the prompt
+    dict(prompt=[[11, 12, 13, 14], [15, 16]], max_tokens=0, logprobs=1, temperature=0),  # lm-eval's loglikelihood
+    dict(prompt=[[11, 12, 13]], max_tokens=2, seed=5),  # token ids without logprobs: the text the worker named
+    dict(prompt="no logprobs asked", max_tokens=2, seed=5),
+], ids=["text-n2", "token-ids-max0", "token-ids", "text"])
+def test_a_streamed_echo_adds_up_to_the_answer_not_streamed(stack, kwargs):
+    """vLLM streams ``echo`` (with or without ``logprobs``, ``max_tokens=0`` too): each choice's first chunk leads
+    with the prompt and, with logprobs, its tokens' (the first None); the stream adds up to the whole answer."""
+    c, fake = stack["client"], FakeEngine()
+    whole = c.completions.create(model=MODEL, echo=True, **kwargs)
+    chunks = list(c.completions.create(model=MODEL, echo=True, stream=True, **kwargs))
+    got = _joined_stream(chunks)
+    prompts = kwargs["prompt"] if isinstance(kwargs["prompt"], list) else [kwargs["prompt"]]
+    n = kwargs.get("n", 1)
+    assert sorted(got) == [ch.index for ch in whole.choices] == list(range(len(prompts) * n))
+    for ch in whole.choices:
+        g, prompt = got[ch.index], prompts[ch.index // n]
+        assert g["text"] == ch.text and g["finish_reason"] == ch.finish_reason
+        ids = prompt if isinstance(prompt, list) else fake.tokenizer.encode(prompt)
+        echoed = prompt if isinstance(prompt, str) else "".join(f"<{i}>" for i in ids)  # the fake names token i <i>
+        first = g["first"]  # the prompt leads the choice's first chunk, whole
+        assert first.text.startswith(echoed) and ch.text.startswith(echoed)
+        if kwargs.get("logprobs") is None:
+            assert ch.logprobs is None and g["tokens"] == [] and first.logprobs is None
+            continue
+        lp = ch.logprobs
+        assert (g["tokens"], g["token_logprobs"], g["top_logprobs"], g["text_offset"]) == (
+            lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset)
+        assert first.logprobs.tokens[:len(ids)] == [f"<{i}>" for i in ids]
+        assert first.logprobs.token_logprobs[0] is None and None not in first.logprobs.token_logprobs[1:]
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
+        if kwargs["max_tokens"] == 0:  # the prompt alone: the token the job sampled does not show
+            assert ch.text == echoed and lp.tokens == [f"<{i}>" for i in ids] and ch.finish_reason == "length"
+
+
+def test_the_readmes_field_table_names_every_request_field():
+    """Issue 24, acceptance 6: every field the gateway's request models take is in the README's field-by-field
+    section (supported, refused or ignored), so a field added to the models without its row fails here."""
+    import re
+
+    from pagestream.producer.gateway.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+    from queue_helpers import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### The OpenAI and vLLM fields, one by one"):text.index("### Metrics: vLLM's names")]
+    named = {w for span in re.findall(r"`([^`]+)`", section) for w in re.findall(r"[A-Za-z_]+", span)}
+    for model in (CompletionRequest, ChatCompletionRequest, StreamOptions):
+        missing = sorted(f for f in model.model_fields if f not in named)
+        assert not missing, f"{model.__name__}: {missing} not in the README's field table"

@@ -90,6 +90,7 @@ SAMPLING_VALUES = {
     "skip_special_tokens": maybe(st.booleans()),
     "include_stop_str_in_output": maybe(st.booleans()),
     "logprobs": maybe(st.none() | st.integers(0, 20), st.integers(-2, 25)),
+    "prompt_logprobs": maybe(st.none() | st.integers(0, 20), st.integers(-2, 25)),
     "structured_outputs": maybe(
         st.none() | st.sampled_from([{"choice": ["yes", "no"]}, {"regex": "[a-z]{1,8}"}, {"json": {"type": "object"}},
                                      {"json_object": True}]),
@@ -98,6 +99,10 @@ SAMPLING_VALUES = {
         st.none() | st.sampled_from([{"type": "text"}, {"type": "json_object"},
                                      {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}]),
         st.sampled_from([{"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}])),
+    "logit_bias": maybe(st.none() | st.dictionaries(st.integers(0, 1000).map(str), st.floats(-100, 100), max_size=4),
+                        st.dictionaries(st.integers(-2, 2**32).map(str) | text, st.floats(-300, 300), min_size=1, max_size=4)),
+    "allowed_token_ids": maybe(st.none() | st.lists(st.integers(0, 1000), min_size=1, max_size=8),
+                               st.lists(st.integers(-1, 2**32), max_size=10)),
 }
 assert set(SAMPLING_VALUES) == SAMPLING_FIELDS
 sampling_dicts = st.fixed_dictionaries({}, optional={**SAMPLING_VALUES, "bogus_field": junk})

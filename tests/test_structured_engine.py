@@ -156,3 +156,94 @@ def test_the_engine_process_carries_constraints_and_compile_errors(smollm2_dir):
         ep.shutdown() if hasattr(ep, "shutdown") else ep.close()
     assert "parenthesis is not closed" in fin["bad"][0]
     assert fin["good"] == (None, "stop") and text["good"] in ("red", "blue")
+
+
+def _overlap_probe(engine):
+    """Record, per launch, whether a step was still in flight unread (the launch overlapped it)."""
+    launches = []
+    execute = engine.runner.execute
+
+    def probe(sched, prev=None):
+        launches.append(prev is not None and prev.sampled is None)
+        return execute(sched, prev)
+
+    engine.runner.execute = probe
+    return launches
+
+
+def test_constrained_batches_keep_asynchronous_scheduling(smollm2_dir):
+    """Only structured requests: step N+1 is launched before step N is read (its mask waits for N's
+    tokens inside the launch, the forward pass already queued), and the outputs equal a synchronous
+    run's with the same seeds, n=2 and an unconstrained neighbour included; every output validates."""
+    names = ["enum", "array", "pattern", "nested"]
+    runs = {}
+    for async_scheduling in (True, False):
+        llm = LLM(model=smollm2_dir, max_model_len=512, async_scheduling=async_scheduling)
+        launches = _overlap_probe(llm.llm_engine)
+        params = [SamplingParams(n=2, temperature=1.0, max_tokens=64, seed=k,
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMAS[name], disable_any_whitespace=True))
+                  for k, name in enumerate(names)]
+        outs = llm.generate([_prompt(llm, f"Answer in JSON ({name}).") for name in names], params, use_tqdm=False)
+        runs[async_scheduling] = ([[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs], launches)
+        assert llm.llm_engine.stats().num_free_blocks == llm.llm_engine.stats().num_total_blocks
+    (asyn, overlapped), (sync, waited) = runs[True], runs[False]
+    assert not any(waited)
+    assert len(overlapped) > 10 and all(overlapped[1:]), overlapped  # every launch after the first overlapped
+    assert asyn == sync
+    for name, out in zip(names, asyn):
+        for _, text, finish in out:
+            assert finish == "stop", (name, text)
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+def test_an_abort_with_a_constrained_step_in_flight(smollm2_dir):
+    """Aborting a constrained request while its step is on the device: it gets no more tokens, its
+    neighbours (constrained and not) finish as they would, every block comes back."""
+    llm = LLM(model=smollm2_dir, max_model_len=512)
+    engine = llm.llm_engine
+    schema = SCHEMAS["array"]
+    constrained = SamplingParams(n=2, temperature=1.0, max_tokens=64, seed=1,
+                                 structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    engine.add_request("a", prompt=_prompt(llm, "Tags as JSON"), params=constrained)
+    engine.add_request("b", prompt=_prompt(llm, "More tags as JSON"), params=constrained)
+    engine.add_request("c", prompt="Once upon a time", params=SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    texts, fin = {}, {}
+
+    def take(outs):
+        for o in outs:
+            for c in o.outputs:
+                texts[(o.request_id, c.index)] = texts.get((o.request_id, c.index), "") + c.text
+            if o.finished:
+                fin[o.request_id] = [c.finish_reason for c in o.outputs]
+
+    while len(texts.get(("a", 0), "")) < 3:
+        take(engine.step())
+    assert engine.core.step_in_flight  # a step holding a token of "a" is on its way
+    assert engine.abort_request("a")
+    while engine.has_unfinished_requests():
+        take(engine.step())
+    assert fin["a"] == ["abort", "abort"]
+    assert fin["b"] == ["stop", "stop"] and fin["c"] == ["length"]
+    for i in range(2):
+        jsonschema.validate(json.loads(texts[("b", i)]), schema)
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_tensor_parallel_masks_on_rank_zero(tiny_llama_dir):
+    """At TP=2 only rank 0 samples, so only it masks (with the in-flight step's tokens): a seeded
+    constrained request gives the same text as at TP=1, and the text matches its regex."""
+    regex = r"[a-z]{3,6}-[0-9]{2,4}"
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=7, structured_outputs=StructuredOutputsParams(regex=regex))
+    prompts = ["code:", "another code:"]
+    small = dict(device="cpu", num_kv_blocks=64, block_size=16, max_num_seqs=8)
+    want = [[c.text for c in o.outputs] for o in LLM(tiny_llama_dir, **small).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **small)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.runner.shutdown()
+    got = [[c.text for c in o.outputs] for o in outs]
+    assert got == want
+    for o in outs:
+        for c in o.outputs:
+            assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from gateway_helpers import batch_stack
+from gateway_helpers import batch_stack, openai_client
 from pagestream.producer.protocol.tenants import parse_key_spec, tenant_of_key
 
 MODEL = "fake-tenant-model"
@@ -30,7 +30,7 @@ def stack(tmp_path_factory):
 
 
 def client(stack, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack["gw"].base_url, api_key=key, max_retries=0, timeout=120)
+    return openai_client(stack["gw"], key)
 
 
 def line(cid: str, **body) -> dict:

@@ -56,3 +56,29 @@ def test_token_events_carry_logprobs_compactly_and_are_unchanged_without_them():
     assert TokenLogprob.model_validate({"token_id": 1, "token": "x", "logprob": -1.0}).top_logprobs == []
     with pytest.raises(ValueError, match="expected \\[token_id, token, logprob, top_logprobs\\]"):
         TokenLogprob.model_validate([1, "x"])
+
+
+def test_prompt_logprobs_cross_the_wire_and_become_vllms_and_openais_shapes():
+    from pagestream.producer.protocol.openai import completion_logprobs, text_completion_body
+    from pagestream.producer.protocol.schema import JobResult, JobStatus
+    from pagestream.worker.logprobs import TokenTexts
+
+    class Tok:
+        def decode(self, ids):
+            return "".join(f"<{i}>" for i in ids)
+
+    wire = TokenTexts(Tok()).encode_prompt([5, 7, 9], [None, {7: -1.5, 3: -0.5}, {9: -0.25, 3: -2.0}], 1)
+    result = JobResult.model_validate_json(JobResult(job_id="j", status=JobStatus.COMPLETED, text="x",
+                                                     prompt_logprobs=wire).model_dump_json())
+    first, second, third = result.prompt_logprobs
+    assert (first.token_id, first.token, first.logprob, first.top_logprobs) == (5, "<5>", None, [])
+    assert (second.logprob, [(a.token_id, a.logprob) for a in second.top_logprobs]) == (-1.5, [(3, -0.5)])
+    body = text_completion_body("cmpl-j", "m", 0, result)
+    assert body["choices"][0]["prompt_logprobs"] == [
+        None,
+        {"3": {"logprob": -0.5, "rank": 1, "decoded_token": "<3>"}, "7": {"logprob": -1.5, "rank": None, "decoded_token": "<7>"}},
+        {"9": {"logprob": -0.25, "rank": 1, "decoded_token": "<9>"}},
+    ]
+    echo = completion_logprobs(result.prompt_logprobs)
+    assert echo == {"tokens": ["<5>", "<7>", "<9>"], "token_logprobs": [None, -1.5, -0.25],
+                    "top_logprobs": [None, {"<7>": -1.5, "<3>": -0.5}, {"<9>": -0.25}], "text_offset": [0, 3, 6]}

@@ -16,6 +16,7 @@ import redis
 from pagestream.engine.errors import EngineDeadError
 from pagestream.producer import JobStatus
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.schema import ErrorCode
 from tests.queue_helpers import assert_contiguous, stream_of_job, wait_for
 from pagestream.worker.fake_engine import FakeConfig, FakeEngine
 from pagestream.worker.settings import WorkerSettings
@@ -124,8 +125,9 @@ def test_engine_rejection_is_a_failed_result(r, redis_url, producer):
     w.run(burst=True)
     res = producer.result(long_job, timeout=1)
     assert res.status == JobStatus.FAILED and "max_model_len" in res.error
+    assert res.error_code == ErrorCode.INVALID_INPUT  # the request's own fault: the gateway answers it 400
     assert producer.result(ok, timeout=1).status == JobStatus.COMPLETED
-    assert r.xlen(keys.dead_letter_stream()) == 1
+    assert r.xlen(keys.dead_letter_stream()) == 0  # not a poison entry: re-driving it would be refused again
 
 
 def test_expired_job_is_never_started(r, redis_url, producer):
@@ -180,7 +182,9 @@ def test_logprobs_ride_the_token_events_and_the_result(r, redis_url, producer):
     assert producer.result(plain, timeout=2).logprobs is None
     assert all(e.logprobs is None for e in producer.stream(plain, timeout=2))
     raw = [json.loads(f[b"ev"]) for _, f in r.xrange(keys.out_stream(plain)) if b"ev" in f]
-    assert raw and all(set(ev) <= {"s", "i", "t", "x", "f"} for ev in raw)
+    assert raw and all(set(ev) <= {"s", "i", "t", "x", "f"} for ev in raw[1:])
+    # its first event adds only the prompt's size (a stream's continuous usage reads it), no prompt ids or logprobs
+    assert set(raw[0]) <= {"s", "i", "t", "x", "f", "n"} and raw[0]["n"] == 2
     # the field is a count: chat's habit (True) and out-of-range counts are refused at submit, naming it
     for bad, why in ((True, "not true/false"), (21, "less than or equal to 20"), (-1, "greater than or equal to 0")):
         with pytest.raises(ValueError, match=why):
@@ -434,7 +438,7 @@ def test_worker_drops_a_job_whose_lease_another_consumer_took(r, redis_url, prod
         r.xclaim(stream, "workers", "thief", 0, [entry["message_id"]])  # a live thief: idle < lease below
         wait_for(lambda: w._lost, 5, "the lease refresh to notice")
         assert w.run(burst=True, max_steps=1) == 0  # dropped: nothing left to step
-        assert w.engine.stats().num_running == 0 and not w._active
+        assert w.engine.stats().num_running == 0 and not w.jobs
         assert r.xpending_range(stream, "workers", "-", "+", 10)[0]["consumer"] == b"thief"  # not taken back
         assert producer.status(jid) == JobStatus.RUNNING  # the thief owns its outcome now
     finally:

@@ -139,15 +139,23 @@ class BulkSink:
             st = self._storages[uri] = open_storage(uri, settings)
         return st
 
+    def _let_go(self, bulk_id: str, entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        del self._buffers[bulk_id]
+        self._specs.pop(bulk_id, None)
+        return entries
+
+    def _is_final(self, key: str) -> bool:
+        status = self.redis.hget(key, BulkField.STATUS)
+        return status is None or BulkStatus(as_str(status)).is_final
+
     def _flush(self, bulk_id: str, buf: _Buffer) -> list[tuple[str, str]]:
         key = keys.bulk_hash(bulk_id)
         entries = [(lane, entry_id) for lane, entry_id, _ in buf.items]
-        status = self.redis.hget(key, BulkField.STATUS)
-        if status is None or BulkStatus(as_str(status)).is_final:
-            # The bulk is over (or gone): nobody will compact this line, so just let the job go.
-            del self._buffers[bulk_id]
-            self._specs.pop(bulk_id, None)
-            return entries
+        status, frozen = self.redis.hmget(key, [BulkField.STATUS, BulkField.FINALIZE_PARTS])
+        if status is None or BulkStatus(as_str(status)).is_final or frozen is not None:
+            # The bulk is over, gone, or finalizing with its part list frozen: nobody will compact
+            # this part (its lines are redeliveries, or were cut by a cancel), so let the jobs go.
+            return self._let_go(bulk_id, entries)
         seq = self.redis.incr(keys.bulk_part_seq(bulk_id))
         name = f"parts/{self.consumer}-{seq:06d}.jsonl"
         data = b"".join(entry.dumps() for _, _, entry in buf.items)
@@ -163,6 +171,14 @@ class BulkSink:
                 fields[BulkField.SINK_ERROR_PERMANENT] = "1"
             self.redis.hset(key, mapping=fields)
             return []
+        if self._is_final(key):
+            # Finalize ran between the check above and the write (it removes the parts it knew of
+            # after the manifest): this part is a late duplicate nobody reads, so take it back.
+            try:
+                self._storage(bulk_id, buf.uri).delete_many([name])
+            except (StorageError, OSError):
+                log.warning("bulk %s: could not remove late part %s", bulk_id, name, exc_info=True)
+            return self._let_go(bulk_id, entries)
         if buf.backoff.failures:  # this worker's last error is history now
             self.redis.hdel(key, BulkField.SINK_ERROR, BulkField.SINK_ERROR_PERMANENT)
         args: list[str] = []

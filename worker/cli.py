@@ -140,7 +140,10 @@ def worker(
     logging.getLogger("pagestream").info("worker %s ready on %s (lanes %s)", settings.consumer, redact_url(settings.redis_url), settings.lanes)
     from pagestream.worker.routing import start_announcer
 
+    from pagestream.worker.tokenizer_service import start_tokenizer_service
+
     announcer = start_announcer(client, settings, engine)
+    tokenizer_service = start_tokenizer_service(client, settings, engine)  # the gateway's /tokenize, /detokenize
     print(f"worker {settings.consumer} ready", flush=True)
     try:
         w.run(burst=burst)
@@ -150,6 +153,8 @@ def worker(
     finally:
         if announcer is not None:
             announcer.stop()
+        if tokenizer_service is not None:
+            tokenizer_service.stop()
         close = getattr(engine, "close", None)
         if close is not None:
             close()
@@ -192,6 +197,10 @@ app.command("tail")(tail)
 app.command("cancel")(cancel)
 app.command("status")(status)
 app.add_typer(dlq_app, name="dlq")
+
+from pagestream.producer.webhook.cli import webhook  # noqa: E402  (the event firehose to a URL)
+
+app.command("webhook")(webhook)
 
 
 def main() -> None:

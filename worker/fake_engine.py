@@ -35,14 +35,25 @@ class FakeTokenizer:
 
     eos_token_id = 0
 
-    def encode(self, text: str) -> list[int]:
-        return [zlib.crc32(w.encode()) % 50_000 + 1 for w in text.split()]
+    bos_token_id = 0  # the one special token: add_special_tokens puts it in front
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = [zlib.crc32(w.encode()) % 50_000 + 1 for w in text.split()]
+        return [self.bos_token_id, *ids] if add_special_tokens else ids
 
     def decode(self, ids: list[int]) -> str:
         return "".join(f"<{i}>" for i in ids)
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = True):
-        text = " ".join(f"{m['role']}: {m['content']}" for m in messages) + " assistant:"
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [f"<{i}>" for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, tools: list[dict] | None = None):
+        text = " ".join(f"{m['role']}: {m['content']}" for m in messages)
+        if tools:
+            text = "tools: " + " ".join(t["function"]["name"] for t in tools) + " " + text
+        if add_generation_prompt:
+            text += " assistant:"
         return self.encode(text) if tokenize else text
 
 
@@ -57,6 +68,7 @@ class _Req:
     priority: int = 0
     done: list[bool] = field(default_factory=list)
     started: bool = False
+    prompt_logprobs_sent: bool = False
 
 
 class FakeEngine:
@@ -88,8 +100,10 @@ class FakeEngine:
             raise ValueError("prompt is empty")
         max_new = params.max_tokens or (self.config.max_model_len - len(ids))
         if len(ids) + max_new > self.config.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_new}) exceeds max_model_len ({self.config.max_model_len})"
+            raise ValueError(  # vLLM's words, as the real engine's
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_new}. This model's maximum context length is "
+                f"{self.config.max_model_len} tokens and your request has {len(ids)} input tokens "
+                f"(prompt ({len(ids)} tokens) + max_tokens ({max_new}) exceeds max_model_len ({self.config.max_model_len}))"
             )
         seed = params.seed if params.seed is not None else int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "little")
         key = zlib.crc32(repr((ids, seed)).encode())
@@ -99,8 +113,9 @@ class FakeEngine:
         blocks = -(-(len(ids) + max_new) // self.config.block_size) * params.n
         self._waiting[request_id] = _Req(request_id, ids, params, key, outputs, blocks, priority, [False] * params.n)
 
-    def add_chat_request(self, request_id: str, messages: list[dict], params: SamplingParams | None = None, **kw) -> None:
-        self.add_request(request_id, prompt=self.tokenizer.apply_chat_template(messages), params=params, **kw)
+    def add_chat_request(self, request_id: str, messages: list[dict], params: SamplingParams | None = None,
+                         tools: list[dict] | None = None, **kw) -> None:
+        self.add_request(request_id, prompt=self.tokenizer.apply_chat_template(messages, tools=tools), params=params, **kw)
 
     def abort_request(self, request_id: str) -> None:
         req = self._running.pop(request_id, None) or self._waiting.pop(request_id, None)
@@ -161,8 +176,23 @@ class FakeEngine:
             if finished:
                 del self._running[rid]
                 self._used_blocks -= req.blocks
-            outs.append(RequestOutput(rid, None, req.prompt_token_ids, deltas, finished))
+            prompt_lps = None
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:  # with the first output
+                req.prompt_logprobs_sent = True
+                prompt_lps = self.expected_prompt_logprobs(req.prompt_token_ids, req.params.prompt_logprobs)
+            outs.append(RequestOutput(rid, None, req.prompt_token_ids, deltas, finished, prompt_logprobs=prompt_lps))
         return outs
+
+    @staticmethod
+    def expected_prompt_logprobs(prompt_token_ids: list[int], k: int) -> list[dict[int, float] | None]:
+        """The engine's prompt logprobs for a prompt (a pure function of its tokens): None for the first, then
+        the prompt's token at -j/100 and k alternatives below it."""
+        out: list[dict[int, float] | None] = [None]
+        for j, tok in enumerate(prompt_token_ids[1:], start=1):
+            d = {tok % 50_000 + 1 + i: -j / 100 + 0.001 * (k - i) for i in range(k)}  # more likely than the prompt's
+            d[tok] = -j / 100
+            out.append(d)
+        return out
 
     @staticmethod
     def _token(key: int, sample: int, index: int) -> int:

@@ -6,13 +6,12 @@ holds stays bounded) and none while the bulk sink is full.
 Whatever one entry holds, it fails alone: a failed result when it names a job, a copy
 in the DLQ, an ack. Runnable jobs wait in ``buffer`` (pulled, validated, not yet in the
 engine) until the engine can take them; ``admit`` moves them into the engine and into
-``active``, the dict of running jobs the loop shares with it.
+running in the ``JobTable`` the loop and results share.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +21,11 @@ from pagestream.engine.errors import EngineDeadError
 from pagestream.producer.protocol import job as job_hash
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.redis_conn import Backoff
-from pagestream.producer.protocol.schema import JobRequest, JobStatus
+from pagestream.producer.protocol.schema import ErrorCode, JobRequest, JobStatus
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
 from pagestream.worker.engine_api import Engine
+from pagestream.worker.job_table import JobTable
 from pagestream.worker.jobs import ActiveJob, InvalidJob, claim_entries, load_history, parse_delivery
 from pagestream.worker.loop_state import Entry, LoopState
 from pagestream.worker.metrics import WorkerMetrics
@@ -51,7 +51,7 @@ class Intake:
         results: Results,
         bulk: BulkJobs,
         metrics: WorkerMetrics,
-        active: dict[str, ActiveJob],
+        jobs: JobTable,
         put: Callable[[list[object]], None],
     ) -> None:
         self.redis = client
@@ -62,9 +62,8 @@ class Intake:
         self.results = results
         self.bulk = bulk
         self.metrics = metrics
-        self.active = active
+        self.jobs = jobs
         self.put = put  # the publisher's queue
-        self.buffer: deque[ActiveJob] = deque()
         self._next_reclaim = 0.0
         self._pull_paused_until = 0.0
         self._last_busy_pull = 0.0
@@ -76,7 +75,7 @@ class Intake:
         if self.bulk.full():
             return 0
         by_pel = self.settings.max_num_seqs + self.settings.prefetch - self.state.num_held()
-        by_engine = self.engine.num_admittable() + self.settings.prefetch - len(self.buffer)
+        by_engine = self.engine.num_admittable() + self.settings.prefetch - self.jobs.num_buffered()
         return max(0, min(by_pel, by_engine))
 
     def pull(self, block: bool, busy: bool, before: Callable[[], None] = lambda: None) -> int:
@@ -161,7 +160,7 @@ class Intake:
                 # Not started: stop holding them, so their leases lapse and they are reclaimed.
                 self.state.unhold((a.delivery.lane, a.delivery.entry_id) for a in ready)
                 ids = {id(a) for a in ready}
-                self.buffer = deque(a for a in self.buffer if id(a) not in ids)
+                self.jobs.keep_buffered(lambda a: id(a) not in ids)
                 self.put(ops)
                 raise
         self.put(ops)
@@ -178,7 +177,7 @@ class Intake:
         if d.deliveries > self.settings.max_deliveries:
             ops.extend(self.results.reject(d, f"failed {d.deliveries - 1} deliveries (max_deliveries={self.settings.max_deliveries})", job))
             return None
-        mine = self.active.get(job.job_id) or next((a for a in self.buffer if a.job_id == job.job_id), None)
+        mine = self.jobs.find(job.job_id)
         if mine is not None:
             if (mine.delivery.lane, mine.delivery.entry_id) != (d.lane, d.entry_id):
                 ops.append(Ack(d.lane, [d.entry_id]))  # a second entry for a job this worker already runs
@@ -215,41 +214,40 @@ class Intake:
             try:
                 a.params = _sampling_params(a.job)
             except (ValueError, TypeError) as exc:
-                ops.extend(self.results.reject(a.delivery, f"invalid sampling parameters: {exc}", a.job))
+                ops.extend(self.results.reject(a.delivery, f"invalid sampling parameters: {exc}", a.job, ErrorCode.INVALID_INPUT))
                 continue
             if st == JobStatus.RUNNING and not a.is_bulk:
                 resume_from.append(a)
-            self.buffer.append(a)
+            self.jobs.buffer(a)
         if resume_from:
             load_history(self.redis, resume_from)
         return ops
 
     def admit(self) -> None:
         """Move buffered jobs into the engine as far as it can admit them now."""
-        if not self.buffer:
+        if not self.jobs.num_buffered():
             return
         n = self.engine.num_admittable()
         ops: list[object] = []
         skipped: list[ActiveJob] = []
         now = time.time()
-        while self.buffer:
-            a = self.buffer[0]
+        while (a := self.jobs.next_buffered()) is not None:
             if a.is_bulk and not self.bulk.is_live(a.job):
-                self.buffer.popleft()
+                self.jobs.pop_buffered()
                 self.metrics.jobs.labels(JobStatus.CANCELLED.value).inc()
                 ops.append(self.bulk.skip(a, self.settings.consumer))
                 skipped.append(a)
                 continue
             if n <= 0:
                 break
-            a = self.buffer.popleft()
+            a = self.jobs.pop_buffered()
             if a.job.is_expired(now):
                 ops.append(self.results.finish(a, JobStatus.EXPIRED, error="deadline passed before it started"))
                 continue
             if not self._add_to_engine(a, ops):
                 continue
             a.started_at = time.time()
-            self.active[a.job_id] = a
+            self.jobs.start(a)
             n -= 1
             if not a.is_bulk:
                 ops.append(Start(a.job_id, self.settings.consumer, a.started_at, a.delivery.deliveries, a.job.result_ttl_s))
@@ -262,13 +260,17 @@ class Intake:
         kw = dict(params=a.params, resume_token_ids=a.resume, priority=j.priority)
         try:
             if j.messages is not None:
-                self.engine.add_chat_request(j.job_id, [m.model_dump() for m in j.messages], **kw)
+                if j.tools:
+                    kw["tools"] = j.tools
+                self.engine.add_chat_request(j.job_id, [m.model_dump(exclude_none=True) for m in j.messages], **kw)
             elif j.prompt_token_ids is not None:
                 self.engine.add_request(j.job_id, prompt_token_ids=j.prompt_token_ids, **kw)
             else:
                 self.engine.add_request(j.job_id, prompt=j.prompt, **kw)
         except ValueError as exc:
-            ops.extend(self.results.reject(a.delivery, f"rejected by the engine: {exc}", j))
+            op = self.results.refuse(a, f"rejected by the engine: {exc}")
+            if op is not None:
+                ops.append(op)
             return False
         except EngineDeadError:
             raise  # not this job's fault: the worker exits and its jobs go to other workers
@@ -281,22 +283,21 @@ class Intake:
     def drop(self, lost: set[Entry], cancels: set[str]) -> list[object]:
         """Buffered jobs whose lease another consumer took (dropped) or that were cancelled (finished)."""
         ops: list[object] = []
-        keep: deque[ActiveJob] = deque()
-        for a in self.buffer:
+
+        def keep(a: ActiveJob) -> bool:
             if (a.delivery.lane, a.delivery.entry_id) in lost:
-                continue
+                return False
             if a.job_id in cancels:
                 ops.append(self.results.finish(a, JobStatus.CANCELLED, error="cancelled"))
-            else:
-                keep.append(a)
-        self.buffer = keep
+                return False
+            return True
+
+        self.jobs.keep_buffered(keep)
         return ops
 
     def take_buffer(self) -> list[Delivery]:
         """Empty the buffer (a stop): the deliveries to hand back."""
-        out = [a.delivery for a in self.buffer]
-        self.buffer.clear()
-        return out
+        return [a.delivery for a in self.jobs.take_buffered()]
 
 
 def _sampling_params(job: JobRequest) -> Any:

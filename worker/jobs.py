@@ -42,6 +42,9 @@ class ActiveJob:
     started_at: float = 0.0
     prompt_tokens: int = 0
     prompt_token_ids: list[int] | None = None  # kept only for a job with return_prompt_token_ids
+    prompt_logprobs: list[list] | None = None  # TokenLogprob wire form, one per prompt token (if asked for)
+    prompt_logprobs_streamed: bool = False  # on a token event already (a job with stream_prompt_logprobs)
+    first_delta_sent: bool = False  # the prompt's size (and ids, if asked) went with it
     has_job_hash: bool = False  # the submit left a job hash (bulk jobs from the orchestrator have one)
     # copied out of the job: read for every delta of every step
     job_id: str = field(init=False)

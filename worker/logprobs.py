@@ -46,3 +46,9 @@ class TokenTexts:
             top = sorted(((t, _finite(v)) for t, v in d.items()), key=lambda tv: -tv[1])[:k]
             out.append([tok, text(tok), _finite(d.get(tok, MIN_LOGPROB)), [[t, text(t), v] for t, v in top]])
         return out
+
+    def encode_prompt(self, token_ids: list[int], logprobs: list[dict[int, float] | None], k: int) -> list[list]:
+        """The engine's prompt logprobs (None for the first token, then a dict per token) in the same wire form;
+        the first token's entry names it, with logprob None and no alternatives."""
+        first = [token_ids[0], self.text(token_ids[0]), None, []]
+        return [first, *self.encode(token_ids[1:], logprobs[1:], k)]

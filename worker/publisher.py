@@ -17,11 +17,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
 from pagestream.producer.protocol import job as job_hash
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.events import EventType, event_fields, events_maxlen, final_event_fields, queue_event
 from pagestream.producer.protocol.redis_conn import Backoff, is_cluster
 from pagestream.producer.protocol.schema import JobResult, JobStatus
 from pagestream.producer.protocol.wire import end_fields, token_event_fields
@@ -45,6 +47,25 @@ class Delta:
     text: str
     finish_reason: str | None = None
     logprobs: list[list] | None = None  # TokenLogprob wire form, one per token id (jobs that asked only)
+    prompt_logprobs: list[list] | None = None  # the same per prompt token: a job's first delta (stream_prompt_logprobs)
+    prompt_tokens: int | None = None  # the prompt's size, on a job's first delta
+    prompt_token_ids: list[int] | None = None  # on a job's first delta too, for a job with return_prompt_token_ids
+
+
+@dataclass(slots=True)
+class _Flush:
+    """One flush's pipeline, and what it gathers to write once at its end: one XACK per lane,
+    one INCRBY per done counter, and the entries it settles (for ``on_acked``)."""
+
+    pipe: Any
+    now_s: int
+    acked: list[tuple[str, str]] = field(default_factory=list)
+    to_ack: dict[str, list[str]] = field(default_factory=dict)
+    done: dict[str, int] = field(default_factory=dict)
+
+    def ack(self, lane: str, entry_ids: list[str]) -> None:
+        self.to_ack.setdefault(lane, []).extend(entry_ids)
+        self.acked.extend((lane, e) for e in entry_ids)
 
 
 @dataclass(slots=True)
@@ -54,6 +75,19 @@ class Start:
     started_at: float
     deliveries: int
     result_ttl_s: int = 24 * 3600
+
+    def prepare(self, pub: Publisher) -> None:
+        # before the deltas: a job's first delta may be in this batch, and its out stream gets this TTL
+        pub._out_ttl[self.job_id] = _ttl(self.result_ttl_s)
+
+    def write(self, pub: Publisher, f: _Flush) -> None:
+        jh = keys.job_hash(self.job_id)
+        job_hash.queue_start(f.pipe, jh, self.worker, self.started_at, self.deliveries)
+        # a job that never finishes (every worker dies, nobody reclaims) does not leak its keys
+        f.pipe.expire(jh, _ttl(self.result_ttl_s))
+        f.pipe.expire(keys.out_stream(self.job_id), _ttl(self.result_ttl_s))  # a resumed job's stream exists already
+        queue_event(f.pipe, event_fields(EventType.STARTED, self.job_id, self.started_at, worker=self.worker,
+                                         deliveries=self.deliveries), pub.events_maxlen)
 
 
 @dataclass(slots=True)
@@ -66,11 +100,49 @@ class Final:
     dead_letter: Delivery | None = None  # also copy the raw entry to the DLQ (acked there)
     write_result: bool = True  # False: the job has no job hash/out stream to write (bulk)
 
+    def prepare(self, pub: Publisher) -> None:
+        pass
+
+    def write(self, pub: Publisher, f: _Flush) -> None:
+        r, result_json = pub._result_json(self)
+        ttl = _ttl(self.result_ttl_s)
+        if self.write_result:
+            jh, out = keys.job_hash(r.job_id), keys.out_stream(r.job_id)
+            job_hash.queue_final(f.pipe, jh, r.status, result_json, r.finished_at)
+            f.pipe.xadd(out, end_fields(r.status.value))
+            f.pipe.expire(jh, ttl)
+            f.pipe.expire(out, ttl)
+            queue_event(f.pipe, final_event_fields(r), pub.events_maxlen)
+        if self.dead_letter is not None:
+            job_id = None if r.job_id == UNKNOWN_JOB_ID else r.job_id
+            pub.consumer.dead_letter(self.dead_letter, r.error or r.status.value, job_id, pipeline=f.pipe)
+            queue_event(f.pipe, event_fields(EventType.DEAD_LETTERED, job_id or "", r.finished_at, lane=self.dead_letter.lane,
+                                             error=r.error or r.status.value), pub.events_maxlen)
+            f.acked.append((self.dead_letter.lane, self.dead_letter.entry_id))
+        elif self.entry is not None:
+            f.ack(self.entry[0], [self.entry[1]])
+        if self.entry is not None:
+            ctr = keys.done_counter(keys.split_lane_key(self.entry[0])[0], f.now_s)  # per lane, not per shard
+            f.done[ctr] = f.done.get(ctr, 0) + 1
+
 
 @dataclass(slots=True)
 class Ack:
     lane: str
     entry_ids: list[str]
+
+    def prepare(self, pub: Publisher) -> None:
+        pass
+
+    def write(self, pub: Publisher, f: _Flush) -> None:
+        if self.entry_ids:
+            f.ack(self.lane, self.entry_ids)
+
+
+#: a write other than a token delta: each writes itself into a flush
+Op = Start | Final | Ack
+#: what the loop hands ``Publisher.put`` (a None is skipped)
+Item = Delta | Op | None
 
 
 def acks(entries: list[tuple[str, str]]) -> list[Ack]:
@@ -84,7 +156,7 @@ def acks(entries: list[tuple[str, str]]) -> list[Ack]:
 @dataclass(slots=True)
 class _Batch:
     deltas: list[Delta] = field(default_factory=list)
-    ops: list[object] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
 
 
 class Publisher:
@@ -99,7 +171,7 @@ class Publisher:
         self.consumer = consumer
         self.interval_s = interval_s
         self.on_acked = on_acked
-        self._items: list[object] = []
+        self._items: list[Item] = []
         self._cond = threading.Condition()
         self._stop = False
         self._busy = False
@@ -111,11 +183,12 @@ class Publisher:
         self._out_ttl: dict[str, int] = {}  # job_id -> TTL for its out stream, set with its first event
         self._broken: dict[str, str] = {}  # job_id -> why its events cannot be written (its result fails)
         self._sharded = is_cluster(client)
+        self.events_maxlen = events_maxlen()  # the firehose's bound (producer.protocol.events)
 
     def start(self) -> None:
         self._thread.start()
 
-    def put(self, items: list[object]) -> None:
+    def put(self, items: list[Item]) -> None:
         """Queue one step's writes (in order). Never blocks on Redis.
 
         Token deltas wait up to ``interval_s`` to be coalesced; a job's first token and
@@ -160,7 +233,7 @@ class Publisher:
     def _run(self) -> None:
         last_flush = 0.0
         backoff = Backoff(base=0.05, cap=5.0)
-        batch: list[object] = []
+        batch: list[Item] = []
         while True:
             with self._cond:
                 while not self._items and not self._stop and not batch:
@@ -209,7 +282,7 @@ class Publisher:
                     self._busy = bool(batch)
                     self._cond.notify_all()
 
-    def _write(self, items: list[object]) -> list[tuple[str, str]]:
+    def _write(self, items: list[Item]) -> list[tuple[str, str]]:
         """One transaction for the batch; each item is serialized on its own first, so an item
         that cannot be written fails its own job (a failed result) and never the batch."""
         b = _coalesce(items)
@@ -217,13 +290,13 @@ class Publisher:
         pipe = SlotBatch(self.redis) if self._sharded else self.redis.pipeline(transaction=True)
         n_events = 0
         for op in b.ops:
-            if isinstance(op, Start):  # before the deltas: a job's first delta may be in this batch
-                self._out_ttl[op.job_id] = _ttl(op.result_ttl_s)
+            op.prepare(self)
         for d in b.deltas:
             if d.job_id in self._broken:
                 continue
             try:
-                fields = _encoded(token_event_fields(d.sample, d.index, d.token_ids, d.text, d.finish_reason, d.logprobs))
+                fields = _encoded(token_event_fields(d.sample, d.index, d.token_ids, d.text, d.finish_reason, d.logprobs,
+                                                         d.prompt_logprobs, d.prompt_tokens, d.prompt_token_ids))
             except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
                 self._broken[d.job_id] = f"a token event could not be written: {exc}"
                 log.error("job %s: %s", d.job_id, self._broken[d.job_id])
@@ -234,43 +307,12 @@ class Publisher:
             if ttl is not None:  # a running job's stream expires too (its worker may die, unreclaimed)
                 pipe.expire(out, ttl)
             n_events += 1
-        acked: list[tuple[str, str]] = []
-        now_s = int(time.time())
-        # one XACK per lane and one INCRBY per counter for the whole batch, not one of each per job
-        to_ack: dict[str, list[str]] = {}
-        done: dict[str, int] = {}
+        f = _Flush(pipe, int(time.time()))
         for op in b.ops:
-            if isinstance(op, Start):
-                jh = keys.job_hash(op.job_id)
-                job_hash.queue_start(pipe, jh, op.worker, op.started_at, op.deliveries)
-                # a job that never finishes (every worker dies, nobody reclaims) does not leak its keys
-                pipe.expire(jh, _ttl(op.result_ttl_s))
-                pipe.expire(keys.out_stream(op.job_id), _ttl(op.result_ttl_s))  # a resumed job's stream exists already
-            elif isinstance(op, Final):
-                r, result_json = self._result_json(op)
-                ttl = _ttl(op.result_ttl_s)
-                if op.write_result:
-                    jh, out = keys.job_hash(r.job_id), keys.out_stream(r.job_id)
-                    job_hash.queue_final(pipe, jh, r.status, result_json, r.finished_at)
-                    pipe.xadd(out, end_fields(r.status.value))
-                    pipe.expire(jh, ttl)
-                    pipe.expire(out, ttl)
-                if op.dead_letter is not None:
-                    job_id = None if r.job_id == UNKNOWN_JOB_ID else r.job_id
-                    self.consumer.dead_letter(op.dead_letter, r.error or r.status.value, job_id, pipeline=pipe)
-                    acked.append((op.dead_letter.lane, op.dead_letter.entry_id))
-                elif op.entry is not None:
-                    to_ack.setdefault(op.entry[0], []).append(op.entry[1])
-                    acked.append(op.entry)
-                if op.entry is not None:
-                    ctr = keys.done_counter(keys.split_lane_key(op.entry[0])[0], now_s)  # per lane, not per shard
-                    done[ctr] = done.get(ctr, 0) + 1
-            elif isinstance(op, Ack) and op.entry_ids:
-                to_ack.setdefault(op.lane, []).extend(op.entry_ids)
-                acked.extend((op.lane, e) for e in op.entry_ids)
-        for lane, entry_ids in to_ack.items():
+            op.write(self, f)
+        for lane, entry_ids in f.to_ack.items():
             self.consumer.ack(lane, entry_ids, pipeline=pipe)
-        for ctr, n in done.items():
+        for ctr, n in f.done.items():
             pipe.incr(ctr, n)
             pipe.expire(ctr, 120)
         # A command Redis refuses (a key of the wrong type, NOGROUP after a flush) fails alone;
@@ -282,9 +324,9 @@ class Publisher:
         if errors:
             log.warning("publisher: %d of the batch's writes were refused by Redis, first: %s", len(errors), errors[0])
         self.num_events += n_events
-        return acked
+        return f.acked
 
-    def _write_each(self, items: list[object]) -> list[tuple[str, str]]:
+    def _write_each(self, items: list[Item]) -> list[tuple[str, str]]:
         """Last resort: only the item that breaks is lost; an entry it would have acked is acked alone."""
         acked: list[tuple[str, str]] = []
         for item in items:
@@ -334,7 +376,7 @@ def _ttl(ttl_s: int) -> int:
     return max(1, min(int(ttl_s), MAX_KEY_TTL_S))
 
 
-def _coalesce(items: list[object]) -> _Batch:
+def _coalesce(items: list[Item]) -> _Batch:
     b = _Batch()
     open_delta: dict[tuple[str, int], Delta] = {}  # the last delta of each (job, sample), still extendable
     for it in items:
@@ -347,6 +389,10 @@ def _coalesce(items: list[object]) -> _Batch:
                 cur.token_ids.extend(it.token_ids)
                 cur.text += it.text
                 cur.finish_reason = it.finish_reason
+                if cur.prompt_logprobs is None:
+                    cur.prompt_logprobs = it.prompt_logprobs
+                if cur.prompt_tokens is None:
+                    cur.prompt_tokens, cur.prompt_token_ids = it.prompt_tokens, it.prompt_token_ids
                 if it.logprobs is not None:  # cur's list is its own (copied below): extend in place
                     if cur.logprobs is None:
                         cur.logprobs = list(it.logprobs)
@@ -354,7 +400,8 @@ def _coalesce(items: list[object]) -> _Batch:
                         cur.logprobs.extend(it.logprobs)
             else:
                 cur = Delta(it.job_id, it.sample, it.index, list(it.token_ids), it.text, it.finish_reason,
-                            None if it.logprobs is None else list(it.logprobs))
+                            None if it.logprobs is None else list(it.logprobs), it.prompt_logprobs, it.prompt_tokens,
+                            it.prompt_token_ids)
                 b.deltas.append(cur)
                 open_delta[key] = cur
         else:

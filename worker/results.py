@@ -12,9 +12,10 @@ from typing import Any
 
 import redis
 
-from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, OutputTarget, SampleResult
+from pagestream.producer.protocol.schema import ErrorCode, JobRequest, JobResult, JobStatus, OutputTarget, SampleResult
 from pagestream.worker.bulk_jobs import BulkJobs
 from pagestream.worker.consumer import Consumer, Delivery
+from pagestream.worker.job_table import JobTable
 from pagestream.worker.jobs import ActiveJob, NoAckPipe, SampleOutput, salvage
 from pagestream.worker.logprobs import TokenTexts
 from pagestream.worker.loop_state import LoopState
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 _NO_TOKENIZER = TokenTexts()
 
 
-def collect(outputs: list, active: dict[str, ActiveJob], token_texts: TokenTexts | None = None
+def collect(outputs: list, jobs: JobTable, token_texts: TokenTexts | None = None
             ) -> tuple[list[Delta], list[tuple[ActiveJob, str | None]]]:
     """One step's deltas to publish, and the jobs that finished (with the engine's error, if any).
 
@@ -36,14 +37,18 @@ def collect(outputs: list, active: dict[str, ActiveJob], token_texts: TokenTexts
     deltas: list[Delta] = []
     append = deltas.append
     finished: list[tuple[ActiveJob, str | None]] = []
+    get = jobs.get
     for out in outputs:
-        a = active.get(out.request_id)
+        a = get(out.request_id)
         if a is None:
             continue
         if not a.prompt_tokens and out.prompt_token_ids:
             a.prompt_tokens = len(out.prompt_token_ids)
             if a.job.return_prompt_token_ids:
                 a.prompt_token_ids = list(out.prompt_token_ids)
+        if out.prompt_logprobs is not None:  # once, for a job that asked
+            a.prompt_logprobs = (token_texts or _NO_TOKENIZER).encode_prompt(
+                out.prompt_token_ids, out.prompt_logprobs, a.job.sampling.prompt_logprobs or 0)
         samples = a.samples
         for c in out.outputs:
             s = samples.get(c.index)
@@ -62,7 +67,14 @@ def collect(outputs: list, active: dict[str, ActiveJob], token_texts: TokenTexts
                 lps = (token_texts or _NO_TOKENIZER).encode(ids, c.logprobs, a.job.sampling.logprobs or 0)
                 s.logprobs.extend(lps)
             if not a.is_bulk:
-                append(Delta(a.job_id, c.index, c.first_token_index, ids, text, fin, lps))
+                prompt_lps = None
+                if a.prompt_logprobs is not None and a.job.stream_prompt_logprobs and not a.prompt_logprobs_streamed:
+                    prompt_lps, a.prompt_logprobs_streamed = a.prompt_logprobs, True  # with the job's first event
+                delta = Delta(a.job_id, c.index, c.first_token_index, ids, text, fin, lps, prompt_lps)
+                if not a.first_delta_sent and a.prompt_tokens:  # a stream's usage and ids need them before the end
+                    a.first_delta_sent = True
+                    delta.prompt_tokens, delta.prompt_token_ids = a.prompt_tokens, a.prompt_token_ids
+                append(delta)
         if out.finished:
             finished.append((a, out.error))
     return deltas, finished
@@ -88,6 +100,7 @@ def job_result(a: ActiveJob, status: JobStatus, error: str | None, worker: str) 
         prompt_tokens=a.prompt_tokens,
         completion_tokens=sum(len(s.token_ids) for s in samples),
         prompt_token_ids=a.prompt_token_ids,
+        prompt_logprobs=a.prompt_logprobs,
         worker=worker,
         deliveries=a.delivery.deliveries,
         resumed_from=len(a.resume or []),
@@ -98,12 +111,12 @@ def job_result(a: ActiveJob, status: JobStatus, error: str | None, worker: str) 
 
 
 def rejected_result(
-    d: Delivery, reason: str, job: JobRequest | None, worker: str, max_entry_bytes: int
+    d: Delivery, reason: str, job: JobRequest | None, worker: str, max_entry_bytes: int, code: ErrorCode | None = None
 ) -> tuple[JobResult, str | None, OutputTarget | None, int]:
     """The failed result of an entry that cannot run: (result, job id if known, output target, TTL)."""
     job_id, output, ttl, meta = salvage(d, job, max_entry_bytes)
-    result = JobResult(job_id=job_id or UNKNOWN_JOB_ID, status=JobStatus.FAILED, error=safe_text(reason), worker=worker,
-                       deliveries=d.deliveries, metadata=meta)
+    result = JobResult(job_id=job_id or UNKNOWN_JOB_ID, status=JobStatus.FAILED, error=safe_text(reason), error_code=code,
+                       worker=worker, deliveries=d.deliveries, metadata=meta)
     return result, job_id, output, ttl
 
 
@@ -123,13 +136,13 @@ class Results:
         # names the tokens of logprobs; the worker hands it the engine's tokenizer
         self.token_texts = TokenTexts()
 
-    def publish(self, outputs: list, active: dict[str, ActiveJob]) -> list[object]:
-        """Everything one engine step leaves to write; finished jobs leave ``active``."""
+    def publish(self, outputs: list, jobs: JobTable) -> list[object]:
+        """Everything one engine step leaves to write; finished jobs leave the running ones in ``jobs``."""
         ops: list[object] = []
-        deltas, finished = collect(outputs, active, self.token_texts)
+        deltas, finished = collect(outputs, jobs, self.token_texts)
         ops.extend(deltas)
         for a, error in finished:
-            del active[a.job_id]
+            jobs.finish(a.job_id)
             if error:
                 ops.extend(self.reject(a.delivery, f"engine error: {error}", a.job))
             else:
@@ -137,10 +150,11 @@ class Results:
                 self.num_completed += 1
         return ops
 
-    def finish(self, a: ActiveJob, status: JobStatus, error: str | None = None) -> Any:
+    def finish(self, a: ActiveJob, status: JobStatus, error: str | None = None, code: ErrorCode | None = None) -> Any:
         """The op that ends a job (None: a bulk job, handed to the sink and acked once durable)."""
         self.metrics.jobs.labels(status.value).inc()
         result = job_result(a, status, error, self.worker)
+        result.error_code = code
         # routing by model: the result names the model that served it, not the name asked for
         result.model = self.settings.served_model_name or self.settings.model
         entry = (a.delivery.lane, a.delivery.entry_id)
@@ -151,12 +165,18 @@ class Results:
             return Final(result, a.job.result_ttl_s, entry, dead_letter=a.delivery, write_result=False)
         return Final(result, a.job.result_ttl_s, entry)
 
-    def reject(self, d: Delivery, reason: str, job: JobRequest | None = None) -> list[object]:
-        """An invalid or poison entry: failed result (if it names a job), copy to the DLQ, ack."""
+    def refuse(self, a: ActiveJob, reason: str) -> Any:
+        """A well-formed job whose input the engine refused (a prompt past the context): the request's
+        fault, not a poison entry, so it fails as ``invalid_input`` with no copy in the DLQ."""
+        return self.finish(a, JobStatus.FAILED, error=reason, code=ErrorCode.INVALID_INPUT)
+
+    def reject(self, d: Delivery, reason: str, job: JobRequest | None = None, code: ErrorCode | None = None) -> list[object]:
+        """An invalid or poison entry: failed result (if it names a job), copy to the DLQ, ack; ``code`` says
+        when the request itself is the cause (``ErrorCode.INVALID_INPUT``: the gateway answers 400)."""
         log.info("dead-lettering %s/%s: %s", d.lane, d.entry_id, safe_text(reason[:500]))
         self.metrics.dead_letters.inc()
         self.metrics.jobs.labels(JobStatus.FAILED.value).inc()
-        result, job_id, output, ttl = rejected_result(d, reason, job, self.worker, self.settings.max_entry_bytes)
+        result, job_id, output, ttl = rejected_result(d, reason, job, self.worker, self.settings.max_entry_bytes, code)
         if output is not None and output.kind == "bulk":
             stub = job or JobRequest.model_construct(job_id=job_id or f"entry-{d.entry_id}", output=output, metadata=result.metadata)
             if self._to_sink(d, stub, result):

@@ -26,6 +26,7 @@ from pagestream.worker.consumer import Consumer, Delivery
 from pagestream.worker.control import ControlThread
 from pagestream.worker.engine_api import Engine
 from pagestream.worker.intake import Intake
+from pagestream.worker.job_table import JobTable
 from pagestream.worker.jobs import ActiveJob
 from pagestream.worker.loop_state import LoopState
 from pagestream.worker.metrics import WorkerMetrics
@@ -51,10 +52,10 @@ class Worker:
         self.consumer = Consumer(client, settings)
         self.publisher = Publisher(client, self.consumer, settings.publish_interval_ms / 1000, on_acked=self._on_acked)
         self.bulk = BulkJobs(client, settings, sink)
-        self._active: dict[str, ActiveJob] = {}  # job_id -> job in the engine
+        self.jobs = JobTable()  # buffered and running jobs, shared with intake and results
         self.results = Results(client, settings, self.consumer, self.bulk, self.state, self.metrics)
         self.results.token_texts.tokenizer = engine.tokenizer  # logprobs name their tokens
-        self.intake = Intake(client, engine, settings, self.consumer, self.state, self.results, self.bulk, self.metrics, self._active, self.publisher.put)
+        self.intake = Intake(client, engine, settings, self.consumer, self.state, self.results, self.bulk, self.metrics, self.jobs, self.publisher.put)
         self._stop_requested = 0  # 1 warm, 2 cold
         self._control: ControlThread | None = None
         self._next_snapshot = 0.0
@@ -114,7 +115,7 @@ class Worker:
                 except Exception:
                     # Not a job's fault (jobs fail through results): hand in-flight work back
                     # so it is redelivered (and dead-lettered after max_deliveries), keep serving.
-                    log.exception("worker iteration failed; releasing %d in-flight jobs", len(self._active))
+                    log.exception("worker iteration failed; releasing %d in-flight jobs", self.jobs.num_in_flight())
                     self._abort_and_release(count_delivery=True)
                     self._sleep(backoff.next())
                     continue
@@ -164,11 +165,11 @@ class Worker:
         self.engine_time_s += t2 - t1
         self.num_steps += 1
         self.metrics.observe_step(t2 - t1)
-        self.publisher.put(self.results.publish(outputs, self._active))
+        self.publisher.put(self.results.publish(outputs, self.jobs))
         return time.perf_counter() - t2
 
     def _busy(self) -> bool:
-        return bool(self._active or self.intake.buffer or self.engine.has_unfinished_requests())
+        return bool(self.jobs or self.engine.has_unfinished_requests())
 
     def _poll_sink(self) -> None:
         self.publisher.put(acks(self.bulk.poll()))
@@ -186,7 +187,7 @@ class Worker:
         self._next_deadline_scan = mono + DEADLINE_SCAN_S
         ops: list[object] = []
         now = time.time()
-        for a in list(self._active.values()):
+        for a in self.jobs.running():
             if (a.delivery.lane, a.delivery.entry_id) in lost:
                 log.warning("lost the lease of %s (job %s) to another worker; dropping it", a.delivery.entry_id, a.job_id)
                 self._abort(a)
@@ -196,7 +197,7 @@ class Worker:
             elif a.job.deadline is not None and now > a.job.deadline:
                 self._abort(a)
                 ops.append(self.results.finish(a, JobStatus.EXPIRED, error="deadline passed while running"))
-        if (lost or cancels) and self.intake.buffer:
+        if (lost or cancels) and self.jobs.num_buffered():
             ops.extend(self.intake.drop(lost, cancels))
         self.state.unhold(lost)
         self.publisher.put([op for op in ops if op is not None])
@@ -215,7 +216,7 @@ class Worker:
         if self._stop_requested != 1:
             return
         end = time.monotonic() + self.settings.drain_timeout_s
-        log.info("warm stop: draining %d running jobs (up to %.1fs)", len(self._active), self.settings.drain_timeout_s)
+        log.info("warm stop: draining %d running jobs (up to %.1fs)", self.jobs.num_running(), self.settings.drain_timeout_s)
         self._release(self.intake.take_buffer())
         while self._stop_requested == 1 and self.engine.has_unfinished_requests() and time.monotonic() < end:
             try:
@@ -230,7 +231,7 @@ class Worker:
             self.engine.abort_request(a.job_id)
         except Exception:
             log.exception("abort_request(%s) failed", a.job_id)
-        del self._active[a.job_id]
+        self.jobs.finish(a.job_id)
 
     def _abort_and_release(self, count_delivery: bool = False, flush_s: float = 5.0) -> None:
         """Abort every job in the engine and hand every entry back for a re-run.
@@ -238,7 +239,7 @@ class Worker:
         ``count_delivery``: the loop broke (not a stop), so the delivery counts toward
         ``max_deliveries``, and entries held in no job list are let go too.
         """
-        unfinished = list(self._active.values())
+        unfinished = self.jobs.running()
         for a in unfinished:
             self._abort(a)
         self.publisher.flush(timeout=flush_s)

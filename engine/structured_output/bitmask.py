@@ -10,9 +10,10 @@ import torch
 import xgrammar as xgr
 
 
-def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
-    """[num_rows, ceil(vocab_size / 32)] int32 on the host, every token allowed."""
-    return xgr.allocate_token_bitmask(num_rows, vocab_size)
+def allocate_bitmask(num_rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
+    """[num_rows, ceil(vocab_size / 32)] int32 on the host (pinned if asked), every token allowed."""
+    bitmask = xgr.allocate_token_bitmask(num_rows, vocab_size)
+    return bitmask.pin_memory() if pin_memory else bitmask
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:

@@ -32,7 +32,8 @@ class StructuredOutputManager:
     is made on the first constrained request, so an engine that never sees one pays nothing."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, stop_token_ids: list[int] | None = None,
-                 max_threads: int = 4, cache_size: int = 256, compile_timeout_s: float = 60.0) -> None:
+                 max_threads: int = 4, cache_size: int = 256, compile_timeout_s: float = 60.0,
+                 pin_memory: bool = False) -> None:
         self._backend_args = dict(stop_token_ids=stop_token_ids, max_threads=max_threads, cache_size=cache_size,
                                   compile_timeout_s=compile_timeout_s)
         self._tokenizer = tokenizer
@@ -42,6 +43,9 @@ class StructuredOutputManager:
         self._compiled: dict[str, Any] = {}
         self._grammars: dict[str, StructuredOutputGrammar] = {}  # seq_id -> matcher
         self._bitmask: torch.Tensor | None = None
+        # pinned on CUDA: the copy to the device is then truly asynchronous (from pageable memory the
+        # driver may wait for the stream, i.e. for the forward pass the mask was filled beside)
+        self._pin_memory = pin_memory
 
     @property
     def backend(self) -> XgrammarBackend:
@@ -96,11 +100,12 @@ class StructuredOutputManager:
     def fill_bitmask(self, rows: Sequence[StructuredOutputGrammar | None]) -> tuple[torch.Tensor, list[int]]:
         """The bitmask of one step: row i from ``rows[i]``'s matcher, unconstrained rows (None) left
         all-allowed and not listed. Returns (bitmask [len(rows), words] int32 host, constrained row
-        indices). The tensor is reused across steps: apply it before the next call."""
+        indices). The tensor is reused across steps: the caller makes sure the last one was copied to the
+        device before the next call (the engine waits for the step it was applied in)."""
         n = len(rows)
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = allocate_bitmask(max(n, 2 * (0 if self._bitmask is None else self._bitmask.shape[0])),
-                                             self.vocab_size)
+                                             self.vocab_size, pin_memory=self._pin_memory)
         bitmask = self._bitmask[:n]
         constrained = []
         for i, g in enumerate(rows):

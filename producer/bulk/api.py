@@ -77,6 +77,7 @@ def create_bulk(
     endpoint: str | None = None,
     input_file_id: str | None = None,
     metadata: dict[str, str] | None = None,
+    served_models_only: bool = False,
 ) -> str:
     """Write a bulk's status hash (status ``validating``) without enqueueing it; returns the bulk id.
 
@@ -89,7 +90,7 @@ def create_bulk(
         bulk_id=bulk_id or new_bulk_id(), input=input, output=output, model=model, lane=Lane(lane),
         shard_lines=shard_lines, max_outstanding=max_outstanding, completion_window_s=completion_window_s,
         s3_endpoint_url=s3_endpoint_url, endpoint=endpoint, input_file_id=input_file_id, metadata=metadata,
-        s3_region=s3_region, s3_addressing_style=s3_addressing_style,
+        s3_region=s3_region, s3_addressing_style=s3_addressing_style, served_models_only=served_models_only,
     )
     key = keys.bulk_hash(spec.bulk_id)
     if not connection.hsetnx(key, BulkField.SPEC, spec.model_dump_json()):

@@ -304,6 +304,10 @@ def _check_owner(conn: redis.Redis, batch_id: str, tenant: Tenant) -> None:
         raise NotFound("batch", batch_id, "batch_id")
 
 
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex[:24]}"
+
+
 def create_batch(
     conn: redis.Redis,
     files: FileStore,
@@ -314,18 +318,21 @@ def create_batch(
     metadata: dict[str, str] | None = None,
     queue_name: str = BULK_QUEUE,
     tenant: Tenant = OPEN,
+    bulk_id: str | None = None,
 ) -> dict[str, Any]:
-    """Start a bulk over an uploaded file of ``tenant``'s (``POST /v1/batches``), owned by it; returns its ``Batch``."""
+    """Start a bulk over an uploaded file of ``tenant``'s (``POST /v1/batches``), owned by it; returns its ``Batch``.
+    ``bulk_id``: one made by ``new_batch_id`` beforehand (the gateway counts it against the tenant's limits first)."""
     if endpoint not in SUPPORTED_URLS:
         raise RequestError(f"endpoint must be one of {list(SUPPORTED_URLS)}, got {endpoint!r}", param="endpoint")
     if completion_window not in COMPLETION_WINDOWS:
         raise RequestError(f"completion_window must be one of {list(COMPLETION_WINDOWS)}, got {completion_window!r}",
                            param="completion_window")
     input_uri = files.input_uri(input_file_id, tenant)
-    bulk_id = f"batch_{uuid.uuid4().hex[:24]}"
+    bulk_id = bulk_id or new_batch_id()
     create_bulk(input_uri, files.storage.describe(f"batches/{bulk_id}"), connection=conn, bulk_id=bulk_id,
                 completion_window_s=COMPLETION_WINDOWS[completion_window], s3_endpoint_url=files.settings.s3_endpoint_url,
-                endpoint=endpoint, input_file_id=input_file_id, metadata=metadata)
+                endpoint=endpoint, input_file_id=input_file_id, metadata=metadata,
+                served_models_only=True)
     pipe = conn.pipeline()
     pipe.hset(keys.bulk_hash(bulk_id), BulkField.TENANT, tenant.name)
     pipe.zadd(keys.tenant_bulks_index(tenant.name), {bulk_id: time.time()})

@@ -180,6 +180,9 @@ def bulk_worker(
     queue: str = typer.Option(BULK_QUEUE, "--queue", help="RQ queue of orchestration jobs"),
     name: str = typer.Option(None, "--name", show_default="RQ's", help="RQ worker name"),
     burst: bool = typer.Option(False, "--burst", help="exit when the queue is empty"),
+    concurrency: int = typer.Option(1, "--concurrency", min=1, envvar="PAGESTREAM_BULK_CONCURRENCY",
+                                    help="bulks run at once: above 1, RQ workers in a pool (rq's WorkerPool, one process "
+                                         "each), so one huge or stuck bulk never holds back another's start"),
     rescue_interval_s: float = typer.Option(5.0, "--rescue-interval-s", help="how often to look for stalled bulks"),
     s3_endpoint_url: Optional[str] = _S3_ENDPOINT,
 ) -> None:
@@ -221,6 +224,15 @@ def bulk_worker(
     q = bulk_queue(conn, queue)
     backoff_s = 1.0
     try:
+        if concurrency > 1:
+            # the pool forks its workers and starts a fresh one for any that dies (an RQ loop quitting
+            # on an error, a kill -9): the restart the loop below does by hand for a single worker
+            from rq.worker_pool import WorkerPool
+
+            pool = WorkerPool([q], connection=conn, num_workers=concurrency, worker_class=_PoolBulkWorker,
+                              serializer=q.serializer, job_class=q.job_class)
+            pool.start(burst=burst, logging_level="INFO")
+            return
         while True:
             worker = _BulkWorker([q], connection=conn, name=name, serializer=q.serializer, job_class=q.job_class)
             try:
@@ -249,3 +261,33 @@ class _BulkWorker(SimpleWorker):
     def request_stop(self, signum, frame):
         self.stop_requested = True
         return super().request_stop(signum, frame)
+
+
+class _PoolBulkWorker(_BulkWorker):
+    """A ``WorkerPool`` child: it dies with the pool (Linux's parent-death signal), so kill -9 of the
+    bulk-worker still takes its orchestrators with it and their bulks are rescued, never orphaned."""
+
+    def __init__(self, *args, **kwargs):
+        _die_with_parent()
+        super().__init__(*args, **kwargs)
+
+    def work(self, *args, **kwargs):
+        # rq's pool asks each worker for a scheduler process, which is not a pool child: it would outlive a
+        # kill -9 of the pool, holding RQ's scheduler lock. Bulk jobs are never scheduled (their Retry has no
+        # interval), so the pool's workers run none.
+        kwargs["with_scheduler"] = False
+        return super().work(*args, **kwargs)
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the pool died before the signal was armed
+        os._exit(1)

@@ -26,6 +26,9 @@ from pagestream.producer.bulk.storage import ObjectInfo
 from pagestream.producer.bulk.stores import Storage
 
 PARTS_PREFIX = "parts/"
+#: the part a cancelled or expired bulk's finalize writes: an error line for every input line, used
+#: only for a line no other part has (one never read, skipped, or still running when the bulk ended)
+UNFINISHED_PART = f"{PARTS_PREFIX}~unfinished.jsonl"
 MANIFEST = "manifest.json"
 # input lines per spill file: bounds the dict held while deduplicating one range
 _SPILL_RANGE_LINES = 4_096
@@ -92,6 +95,7 @@ def compact(
     existing = storage.read_bytes(MANIFEST)
     if existing is not None:
         return json.loads(existing)
+    unfinished_orders = {order for order, name in enumerate(parts) if name == UNFINISHED_PART}
     with tempfile.TemporaryDirectory(prefix=f"pagestream-{bulk_id}-") as tmpdir:
         spills: dict[int, Any] = {}
         try:
@@ -117,17 +121,25 @@ def compact(
         for rng in sorted(spills):
             # keep the raw line, not the parsed record: this dict is the only per-range memory
             best: dict[tuple[int, str], tuple[tuple[int, int], bytes]] = {}
+            fallback: dict[int, bytes] = {}  # line -> its UNFINISHED_PART entry
             path = os.path.join(tmpdir, f"spill-{rng}")
             with open(path, "rb") as f:
                 for raw in f:
                     order_s, payload = raw.split(b" ", 1)
                     entry = PartEntry.loads(payload)
+                    if int(order_s) in unfinished_orders:
+                        fallback.setdefault(entry.line, payload)
+                        continue
                     rank = (0 if entry.ok else 1, int(order_s))
                     key = (entry.line, entry.custom_id or "")
                     cur = best.get(key)
                     if cur is None or rank < cur[0]:
                         best[key] = (rank, payload)
             os.unlink(path)
+            have = {line for line, _ in best}
+            for line, payload in fallback.items():
+                if line not in have:
+                    best[(line, "")] = ((2, 0), payload)
             for key in sorted(best):
                 entry = PartEntry.loads(best[key][1])
                 if entry.ok:
@@ -157,9 +169,11 @@ def compact(
 
 
 def remove_parts(storage: Storage) -> int:
-    """Delete every part file (after the manifest is written); returns how many."""
+    """Delete every part file (after the manifest is written), and what a part writer killed
+    mid-write left beside them; returns how many parts."""
     names = list_parts(storage)
     storage.delete_many(names)
+    storage.remove_abandoned(PARTS_PREFIX)
     return len(names)
 
 
@@ -169,4 +183,5 @@ def manifest_header(spec: Any, status: str) -> dict[str, Any]:
             "model": spec.model, "created_at": spec.created_at}
 
 
-__all__ = ["compact", "list_parts", "remove_parts", "manifest_header", "shard_name", "MANIFEST", "PARTS_PREFIX"]
+__all__ = ["compact", "list_parts", "remove_parts", "manifest_header", "shard_name", "MANIFEST", "PARTS_PREFIX",
+           "UNFINISHED_PART"]

@@ -61,9 +61,26 @@ class RequestBody(BaseModel):
     # chat: ``logprobs: true`` + ``top_logprobs: k``; completions: ``logprobs: k`` (``logprobs_k`` reads them per url)
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
+    # vLLM's prompt_logprobs (both endpoints): the output body carries them in vLLM's shape; the job schema checks the range
+    prompt_logprobs: int | None = None
     # structured outputs (issue 23): OpenAI's response_format, vLLM's structured_outputs; the job schema checks them
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # OpenAI's logit_bias and vLLM's allowed_token_ids; the job schema checks them
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    # tools (issue 26) are answered by the gateway only so far: a line with them is an error line, never a
+    # line whose tools are silently dropped
+    tools: Any = None
+    tool_choice: Any = None
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _no_tools_yet(cls, v: Any, info) -> Any:
+        if v is not None:
+            raise ValueError(f"{info.field_name} in batch lines is not supported yet (the gateway's "
+                             "/v1/chat/completions answers it)")
+        return v
 
     @field_validator("messages")
     @classmethod
@@ -122,8 +139,11 @@ class RequestBody(BaseModel):
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
+            "prompt_logprobs": self.prompt_logprobs,
             "response_format": self.response_format,
             "structured_outputs": self.structured_outputs,
+            "logit_bias": self.logit_bias,
+            "allowed_token_ids": self.allowed_token_ids,
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -161,6 +181,7 @@ class BadLine:
     line: int
     reason: str
     custom_id: str | None = None
+    code: str = "invalid_request"
 
 
 def max_line_bytes() -> int:

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from pagestream.producer.protocol import keys
 from pagestream.producer.bulk.api import LEASE_S, load_spec
-from pagestream.producer.bulk.finalize import PARTS_PREFIX, compact, list_parts, manifest_header, remove_parts
+from pagestream.producer.bulk.finalize import PARTS_PREFIX, UNFINISHED_PART, compact, list_parts, manifest_header, remove_parts
 from pagestream.producer.bulk.io import CHAT_URL, COMPLETIONS_URL, BadLine, BulkRequest, max_line_bytes, parse_line
 from pagestream.producer.bulk.parts import error_entry, request_id
 from pagestream.producer.bulk.storage import StorageError, StorageSettings
@@ -55,8 +55,14 @@ CHUNK_LINES = 256
 CHUNK_BYTES = 32 * 1024 * 1024
 POLL_S = 0.2
 META_EVERY_S = 1.0
-#: how long a cancelled bulk waits for jobs already queued before finalizing what is done
-CANCEL_GRACE_S = float(os.environ.get("PAGESTREAM_BULK_CANCEL_GRACE_S", "60"))
+#: how long a cancelled bulk waits for jobs already running before finalizing what is done (queued ones
+#: are skipped by the workers at once); a line not done by then is a "cancelled" error line
+CANCEL_GRACE_S = float(os.environ.get("PAGESTREAM_BULK_CANCEL_GRACE_S", "2"))
+#: the error message of a line a cancelled / expired bulk never ran, by final status
+UNFINISHED_REASONS = {
+    BulkStatus.CANCELLED: "the batch was cancelled before this request completed",
+    BulkStatus.EXPIRED: "this request could not be executed before the completion window expired",
+}
 #: keep the status hash this long after the bulk is final
 STATUS_TTL_S = 30 * 24 * 3600
 
@@ -344,16 +350,35 @@ class Orchestrator:
             (bad if isinstance(item, BadLine) else jobs).append(item)
         return jobs, sorted(bad, key=lambda b: b.line)
 
+    def _unserved(self, jobs: list[dict[str, Any]], live: set[str]) -> tuple[list[dict[str, Any]], list[BadLine]]:
+        """A Batch API bulk (``spec.served_models_only``): split off the lines no live worker can take,
+        as the gateway's chat endpoint answers 404 ``model_not_found`` from the same announcements."""
+        if not self.spec.served_models_only:
+            return jobs, []
+        kept, bad = [], []
+        for fields in jobs:
+            model = fields["model"]
+            if model in live:
+                kept.append(fields)
+                continue
+            reason = ("the request has no model and the batch names none" if model is None else
+                      f"The model '{model}' does not exist or no worker serves it (served: {sorted(live) or 'none'})")
+            bad.append(BadLine(fields["metadata"]["bulk_line"], reason, fields["output"].custom_id, code="model_not_found"))
+        return kept, bad
+
     def _commit(self, chunk: list[tuple[int, bytes]], end_offset: int | None, out, input_done: bool = False) -> None:
         jobs, bad = self._jobs_for(chunk)
+        live = set(self.producer.live_models()) if jobs else set()
+        jobs, unserved = self._unserved(jobs, live)
+        if unserved:
+            bad = sorted(bad + unserved, key=lambda b: b.line)
         if bad:
             # Deterministic name: a resumed chunk rewrites the same bytes.
-            data = b"".join(error_entry(self.bulk_id, b.line, b.reason, b.custom_id).dumps() for b in bad)
+            data = b"".join(error_entry(self.bulk_id, b.line, b.reason, b.custom_id, b.code).dumps() for b in bad)
             out.put_bytes(f"{PARTS_PREFIX}_input-{bad[0].line:010d}.jsonl", data)
         last_line = chunk[-1][0] if chunk else None
         # Routing by model: a line whose model some worker announces goes to that model's lanes;
-        # any other stays on the shared lanes, for workers that serve no named model.
-        live = set(self.producer.live_models()) if jobs else set()
+        # any other stays on the shared lanes, for workers that serve no named model (``bulk submit``).
         routed = [{**fields, "model": fields["model"] if fields["model"] in live else None} for fields in jobs]
         if routed and is_cluster(self.conn):
             # On a cluster the jobs cannot join the checkpoint's transaction (other slots): they
@@ -428,11 +453,36 @@ class Orchestrator:
             return BulkStatus.EXPIRED
         return BulkStatus.COMPLETED
 
+    def _write_unfinished(self, out, final: BulkStatus) -> None:
+        """An error line (code "cancelled" / "expired") for every input line, as a fallback part:
+        compaction keeps it only for a line no other part has, so every line is in the output or the errors."""
+        storage, name = open_input(self.spec.input, self.storage_settings)
+        reason, code = UNFINISHED_REASONS[final], final.value
+        chunks: list[bytes] = []
+        for line, (raw, _) in enumerate(storage.open_lines(name, 0, max_line_bytes=max_line_bytes()), start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "x"  # not blank: the feed made it an error line
+            if not text.strip():
+                continue  # blank lines are no requests
+            try:
+                custom_id = json.loads(text).get("custom_id")
+            except (ValueError, AttributeError):
+                custom_id = None
+            chunks.append(error_entry(self.bulk_id, line, reason, custom_id if isinstance(custom_id, str) else None,
+                                      code).dumps())
+            if line % 4096 == 0:
+                self._check_lease()
+        out.put_bytes(UNFINISHED_PART, b"".join(chunks))
+
     def _finalize(self) -> None:
         st = self.state()
         final = self._final_status(st)
         out = open_storage(self.spec.output, self.storage_settings)
         if not st.get(BulkField.FINALIZE_PARTS):
+            if final in UNFINISHED_REASONS:
+                self._write_unfinished(out, final)
             # Freeze the part list: a late duplicate part must not change a re-run's bytes.
             self.conn.hset(self.key, mapping={BulkField.FINALIZE_PARTS: json.dumps(list_parts(out)), BulkField.FINAL_STATUS: final.value})
             st = self.state()

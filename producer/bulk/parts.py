@@ -44,13 +44,13 @@ class PartEntry:
         return cls(line=obj["line"], custom_id=obj["custom_id"], ok=obj["ok"], record=obj["record"])
 
 
-def error_entry(bulk_id: str, line: int, reason: str, custom_id: str | None) -> PartEntry:
+def error_entry(bulk_id: str, line: int, reason: str, custom_id: str | None, code: str = "invalid_request") -> PartEntry:
     """The output of an input line that never became a job (it was invalid)."""
     record = {
         "id": f"batch_req_{request_id(bulk_id, line)}",
         "custom_id": custom_id,
         "response": None,
-        "error": {"code": "invalid_request", "message": reason, "line": line},
+        "error": {"code": code, "message": reason, "line": line},
     }
     return PartEntry(line=line, custom_id=custom_id, ok=False, record=record)
 

@@ -279,6 +279,10 @@ class S3Storage:
                 failures += 1
                 time.sleep(min(0.5 * 2**failures, 8.0))
 
+    def remove_abandoned(self, prefix: str) -> int:
+        """Nothing to do: a part is one PUT, which S3 makes whole or not at all."""
+        return 0
+
     def delete_many(self, names: Iterable[str]) -> None:
         batch: list[dict] = []
         for name in names:

@@ -170,6 +170,25 @@ class LocalStorage:
             if p.is_file() and rel.startswith(prefix) and not p.name.startswith(".tmp-"):
                 yield rel
 
+    def remove_abandoned(self, prefix: str) -> int:
+        """Delete the temp files under ``prefix``'s directory that writers killed mid-write left
+        (a write is a temp file renamed into place); for use once nobody writes there. Returns how many."""
+        directory = self.root / prefix
+        directory = directory if prefix.endswith("/") else directory.parent
+        removed = 0
+        for p in directory.glob(".tmp-*") if directory.is_dir() else ():
+            try:
+                p.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+        if removed and directory != self.root:
+            try:
+                directory.rmdir()  # only if empty
+            except OSError:
+                pass
+        return removed
+
     def open_lines(self, name: str, offset: int = 0, max_line_bytes: int | None = None) -> Iterator[tuple[bytes, int]]:
         """Yield (line without newline, byte offset just past it), starting at ``offset`` (see ``split_lines``)."""
         with open(self.root / name, "rb") as f:

@@ -22,6 +22,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.events import events_maxlen
 from pagestream.producer.protocol.job import RESULT_READ, SCRIPTS, JobField
 from pagestream.producer.protocol.lanes import SINGLE, LaneLayout, layout_args
 from pagestream.producer.protocol.redis_conn import queue_script
@@ -123,8 +124,9 @@ def submit_script_call(job: JobRequest) -> Call:
         "submit",
         script=True,
         kwargs={
-            "keys": [keys.job_hash(job.job_id), keys.jobs_stream(lane, job.model)],
-            "args": [job_fields(job)[JOB_FIELD], lane, repr(job.created_at), job.result_ttl_s, queued_key_ttl_s(job)],
+            "keys": [keys.job_hash(job.job_id), keys.jobs_stream(lane, job.model), keys.events_stream()],
+            "args": [job_fields(job)[JOB_FIELD], lane, repr(job.created_at), job.result_ttl_s, queued_key_ttl_s(job),
+                     job.job_id, job.model or "", events_maxlen()],
         },
     )
 
@@ -137,8 +139,8 @@ def cancel_script_call(job_id: str, cluster: bool = False) -> Call:
         "cancel",
         script=True,
         kwargs={
-            "keys": job_keys if cluster else [*job_keys, keys.cancel_stream()],
-            "args": [job_id, result.model_dump_json(), repr(time.time())],
+            "keys": job_keys if cluster else [*job_keys, keys.cancel_stream(), keys.events_stream()],
+            "args": [job_id, result.model_dump_json(), repr(time.time()), events_maxlen()],
         },
     )
 
@@ -403,7 +405,7 @@ class ProducerCore:
         out_key = keys.out_stream(job_id)
         dedup = EventDeduper(from_index)
         last = "0-0"  # the last entry read: after a reconnect, reading resumes right after it
-        idle_since = time.monotonic()
+        idle_since = checked = time.monotonic()
         what = f"streaming job {job_id}"
         reached = False  # a reconnect is waited for only once Redis answered this call
         while True:
@@ -421,6 +423,12 @@ class ProducerCore:
                     raise TimeoutError(f"no event for job {job_id} in {timeout} s")
                 continue
             idle_since = time.monotonic()
+            if idle_since - checked > 1.0:
+                # A Redis restarted empty under a live job: its worker goes on writing deltas to a new
+                # stream, but the job's hash (written at submit, kept until its TTL) is gone for good.
+                checked = idle_since
+                if (yield from self._read(Call("hget", (keys.job_hash(job_id), JobField.STATUS), retry=True), what)) is None:
+                    raise JobNotFound(job_id)
             for _, entries in resp:
                 for entry_id, fields in entries:
                     last = as_str(entry_id)

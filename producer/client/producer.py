@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import aclosing
 from typing import Any
 
@@ -39,9 +39,12 @@ from pagestream.producer.client.core import (
     call_script,
 )
 from pagestream.producer.client.mux import StreamMux
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.events import Event, EventType
 from pagestream.producer.protocol.lanes import LaneLayout
 from pagestream.producer.protocol.redis_conn import connect, connect_async, is_cluster
 from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, TokenEvent
+from pagestream.producer.protocol.wire import as_str
 
 _ASYNC_PIPELINES = (aioredis.client.Pipeline, AsyncClusterPipeline)
 
@@ -228,6 +231,27 @@ class Producer:
         return JobEvents(self, self.core.stream(job_id, from_index, timeout))
 
 
+    def events(self, from_id: str = "0", job: str | None = None, types: Iterable[EventType | str] | None = None,
+               follow: bool = False, block_s: float = 1.0, count: int = 500) -> Iterator[Event]:
+        """The job-event firehose (``producer.protocol.events``), oldest first, after ``from_id``:
+        ``"0"`` from the oldest event kept, ``"$"`` from now, else an event's ``id`` (to resume).
+        ``job`` and ``types`` keep only that job's / those types' events. Without ``follow`` it ends
+        at the stream's end; with it, it blocks for new events (``block_s`` per XREAD) until closed.
+        """
+        keep = _event_filter(job, types)
+        stream = keys.events_stream()
+        if from_id == "$":  # pinned now, so events written between two blocking reads are not skipped
+            from_id = _last_id(self.redis.xrevrange(stream, count=1))
+        while True:
+            entries = _entries(self.redis.xread({stream: from_id}, count=count, block=int(block_s * 1000) if follow else None))
+            if not entries and not follow:
+                return
+            for ev in entries:
+                from_id = ev.id
+                if keep(ev):
+                    yield ev
+
+
 class AsyncProducer:
     """``Producer`` on redis.asyncio: same methods and exceptions, awaitable; ``stream`` is an async iterator.
 
@@ -347,5 +371,43 @@ class AsyncProducer:
         async for ev in self.follow(job_id, from_index, timeout):
             yield ev
 
+    async def events(self, from_id: str = "0", job: str | None = None, types: Iterable[EventType | str] | None = None,
+                     follow: bool = False, block_s: float = 1.0, count: int = 500) -> AsyncIterator[Event]:
+        """``Producer.events``, async."""
+        keep = _event_filter(job, types)
+        stream = keys.events_stream()
+        if from_id == "$":
+            from_id = _last_id(await self.redis.xrevrange(stream, count=1))
+        while True:
+            reply = await self.redis.xread({stream: from_id}, count=count, block=int(block_s * 1000) if follow else None)
+            entries = _entries(reply)
+            if not entries and not follow:
+                return
+            for ev in entries:
+                from_id = ev.id
+                if keep(ev):
+                    yield ev
+
     def follow(self, job_id: str, from_index: int = 0, timeout: float | None = None) -> AsyncJobEvents:
         return AsyncJobEvents(self, self.core.stream(job_id, from_index, timeout))
+
+
+def _event_filter(job: str | None, types: Iterable[EventType | str] | None) -> Callable[[Event], bool]:
+    """Which events ``events()`` yields; an unknown type name is a ValueError before anything is read."""
+    want = None if types is None else {EventType(t).value for t in types}
+
+    def keep(ev: Event) -> bool:
+        return (job is None or ev.job == job) and (want is None or getattr(ev.type, "value", ev.type) in want)
+
+    return keep
+
+
+def _last_id(newest: list) -> str:
+    return as_str(newest[0][0]) if newest else "0-0"
+
+
+def _entries(reply: Any) -> list[Event]:
+    """The events of an XREAD reply on the one events stream (RESP2 list or RESP3 dict)."""
+    if isinstance(reply, dict):
+        reply = list(reply.items())
+    return [Event.parse(entry_id, raw) for entry_id, raw in (reply[0][1] if reply else [])]

@@ -1,7 +1,7 @@
 """``pagestream gateway``: an OpenAI-compatible HTTP server that is a producer like any other.
 
 Laid out as vLLM's entry points are: one router and one serving class per endpoint family
-(``completions/``, ``chat/``, ``models/``, ``batches/`` for files and batches, ``health/``),
+(``completions/``, ``chat/``, ``responses/``, ``models/``, ``batches/`` for files and batches, ``health/``),
 request and response models in ``protocol.py``, API-key auth as one dependency on every ``/v1``
 router (``auth.py``), domain errors mapped to HTTP in one place (``errors.py``).
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI
 
 from pagestream.producer.client import AsyncProducer
@@ -29,23 +28,27 @@ from pagestream.producer.gateway.chat.serving import OpenAIServingChat
 from pagestream.producer.gateway.completions.api_router import router as completions_router
 from pagestream.producer.gateway.completions.serving import OpenAIServingCompletion
 from pagestream.producer.gateway.health.api_router import router as health_router
+from pagestream.producer.gateway.invocations.api_router import router as invocations_router
+from pagestream.producer.gateway.load import InFlight, ServerLoad
 from pagestream.producer.gateway.models.api_router import router as models_router
 from pagestream.producer.gateway.models.serving import OpenAIServingModels
+from pagestream.producer.gateway.responses.api_router import router as responses_router
+from pagestream.producer.gateway.responses.serving import OpenAIServingResponses
 from pagestream.producer.gateway.settings import GatewaySettings
 from pagestream.producer.gateway.state import GatewayState
-from pagestream.producer.protocol.redis_conn import connect_async, url_is_cluster
+from pagestream.producer.gateway.streams.api_router import router as streams_router
+from pagestream.producer.gateway.tokenize.api_router import router as tokenize_router
+from pagestream.producer.gateway.tokenize.serving import OpenAIServingTokenization
+from pagestream.producer.protocol.redis_conn import connect_async
 
 #: the routers behind the API key, in the order their routes are matched
-API_ROUTERS = (models_router, completions_router, chat_router, batches_router)
+API_ROUTERS = (models_router, completions_router, chat_router, responses_router, batches_router, invocations_router,
+               tokenize_router, streams_router)
 
 
 def _client(settings: GatewaySettings):
-    if url_is_cluster(settings.redis_url):
-        # Redis Cluster: one pool per node, each at most redis_max_connections
-        return connect_async(settings.redis_url, max_connections=settings.redis_max_connections)
-    pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=settings.redis_max_connections,
-                                                    timeout=30)
-    return aioredis.Redis(connection_pool=pool)
+    # a single node: a blocking pool of redis_max_connections; a cluster: one such pool per node
+    return connect_async(settings.redis_url, max_connections=settings.redis_max_connections, blocking_pool_timeout=30)
 
 
 def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer | None = None) -> FastAPI:
@@ -59,8 +62,11 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
         state.models = OpenAIServingModels(state)
         state.completions = OpenAIServingCompletion(state)
         state.chat = OpenAIServingChat(state)
+        state.responses = OpenAIServingResponses(state)
         state.batches = OpenAIServingBatches(state)
+        state.tokenization = OpenAIServingTokenization(state)
         app.state.gateway = state
+        state.start()
         try:
             yield
         finally:
@@ -69,14 +75,44 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
     app = FastAPI(title="pagestream gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     errors.install(app)
     app.add_middleware(Accounting)
+    app.state.server_load = InFlight()
+    app.add_middleware(ServerLoad, counter=app.state.server_load)
     app.include_router(health_router)
     for router in API_ROUTERS:
         app.include_router(router, dependencies=[Depends(require_api_key)])
     return app
 
 
+def _http_protocol(header_timeout_s: float):
+    """uvicorn's h11 protocol, closing a connection whose first request's headers are not complete within
+    ``header_timeout_s`` (uvicorn's keep-alive timer covers the requests after the first, not the first)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _header_timeout(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None:  # the first request's headers are in: its cycle has begun
+                self._header_timer.cancel()
+
+        def connection_lost(self, exc) -> None:
+            self._header_timer.cancel()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutH11Protocol
+
+
 def run(settings: GatewaySettings) -> None:
-    """Serve until interrupted (uvicorn's own signal handling)."""
+    """Serve until interrupted (uvicorn's own signal handling), within the settings' connection bounds."""
     import uvicorn
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
+                http=_http_protocol(settings.header_timeout_s), timeout_keep_alive=settings.keep_alive_timeout_s,
+                limit_concurrency=settings.max_connections, h11_max_incomplete_event_size=settings.max_header_bytes)

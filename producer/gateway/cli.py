@@ -21,12 +21,20 @@ ApiKeys = typer.Option(None, "--api-keys", envvar="PAGESTREAM_GATEWAY_API_KEYS",
 MaxQueueDepth = typer.Option(None, "--max-queue-depth", envvar="PAGESTREAM_GATEWAY_MAX_QUEUE_DEPTH", show_envvar=True,
                              show_default="no limit", help="answer 429 while a model has this many jobs waiting")
 
+EnableAutoToolChoice = typer.Option(False, "--enable-auto-tool-choice", envvar="PAGESTREAM_GATEWAY_ENABLE_AUTO_TOOL_CHOICE",
+                                    show_envvar=True,
+                                    help="answer tool_choice 'auto' (vLLM's flag; needs --tool-call-parser)")
+ToolCallParser = typer.Option(None, "--tool-call-parser", envvar="PAGESTREAM_GATEWAY_TOOL_CALL_PARSER", show_envvar=True,
+                              show_default="none", help="how the model writes tool calls: hermes | llama3_json | mistral")
 
-def gateway_settings(redis_url: str, host: str, port: int, api_keys: str | None, max_queue_depth: int | None):
+
+def gateway_settings(redis_url: str, host: str, port: int, api_keys: str | None, max_queue_depth: int | None,
+                     enable_auto_tool_choice: bool | None = None, tool_call_parser: str | None = None):
     """``GatewaySettings`` from the environment with the command line's options on top."""
     from pagestream.producer.gateway.settings import GatewaySettings
 
-    fields = {"redis_url": redis_url, "host": host, "port": port, "api_keys": api_keys, "max_queue_depth": max_queue_depth}
+    fields = {"redis_url": redis_url, "host": host, "port": port, "api_keys": api_keys, "max_queue_depth": max_queue_depth,
+              "enable_auto_tool_choice": enable_auto_tool_choice, "tool_call_parser": tool_call_parser}
     return GatewaySettings(**{k: v for k, v in fields.items() if v is not None})
 
 
@@ -36,6 +44,8 @@ def gateway(
     port: int = Port,
     api_keys: Optional[str] = ApiKeys,
     max_queue_depth: Optional[int] = MaxQueueDepth,
+    enable_auto_tool_choice: bool = EnableAutoToolChoice,
+    tool_call_parser: Optional[str] = ToolCallParser,
     log_level: str = typer.Option("INFO", "--log-level", envvar="PAGESTREAM_LOG_LEVEL", show_envvar=True, help="DEBUG | INFO | WARNING | ERROR"),
 ) -> None:
     """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) over the queue."""
@@ -43,6 +53,7 @@ def gateway(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
-    settings = gateway_settings(resolve_url(redis_url), host, port, api_keys, max_queue_depth)
+    settings = gateway_settings(resolve_url(redis_url), host, port, api_keys, max_queue_depth, enable_auto_tool_choice,
+                                tool_call_parser)
     print(f"gateway on http://{settings.host}:{settings.port}/v1 (redis {redact_url(settings.redis_url)})", flush=True)
     run(settings)

@@ -17,15 +17,16 @@ class GatewayError(Exception):
     """An error the client sees in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after_s = retry_after_s  # a 429's retry-after header
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status == 429 else None
+        headers = {"Retry-After": str(self.retry_after_s)} if self.status == 429 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

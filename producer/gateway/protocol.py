@@ -15,10 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pagestream.producer.protocol.errors import RequestError
 from pagestream.producer.protocol.openai import ChatMessageIn, chat_logprobs_k, finish_reason, usage
 from pagestream.producer.protocol.schema import JobRequest, JobResult
+from pagestream.producer.protocol.tools import ChatTool, ToolChoice, ToolUse
 
 _SAMPLING = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "top_k", "min_p",
              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-             "include_stop_str_in_output")
+             "include_stop_str_in_output", "prompt_logprobs", "logit_bias", "allowed_token_ids")
 #: int64, the range vLLM's request models give ``seed``
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -57,15 +58,19 @@ class OpenAIRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
-    # vLLM's extensions the engine does not have yet: refused with the reason, never silently ignored
+    # per prompt token after the first, its logprob and this many alternatives (the response's ``prompt_logprobs``)
     prompt_logprobs: int | None = None
+    # vLLM's: only these tokens may be sampled (checked against the served vocabulary)
     allowed_token_ids: list[int] | None = None
 
     def refuse_unsupported(self) -> None:
         if self.prompt_logprobs is not None:
-            raise RequestError("prompt_logprobs are not computed by this engine yet", param="prompt_logprobs")
-        if self.allowed_token_ids is not None:
-            raise RequestError("allowed_token_ids is not applied by this engine yet", param="allowed_token_ids")
+            # vLLM's checks; -1 (the whole vocabulary) is not served: at most MAX_LOGPROBS alternatives
+            if self.prompt_logprobs < 0:
+                raise RequestError("`prompt_logprobs` must be a positive value (-1, the whole vocabulary, is not "
+                                   "supported)", param="prompt_logprobs")
+            if self.stream:
+                raise RequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
 
     # ---- structured outputs (issue 23; owned by the structured-outputs work, kept apart) ----
     # OpenAI's response_format (text / json_object / json_schema) and vLLM's structured_outputs
@@ -116,8 +121,7 @@ class OpenAIRequest(BaseModel):
         raise NotImplementedError
 
     def logit_bias_ids(self) -> list[int]:
-        """``logit_bias``'s keys as token ids (400 for a key that is not one); the engine does not apply a bias
-        yet, so a non-empty map is refused after its keys pass the vocabulary check."""
+        """``logit_bias``'s keys as token ids (400 for a key that is not one), for the vocabulary check."""
         ids = []
         for key in self.logit_bias or {}:
             try:
@@ -180,17 +184,31 @@ class CompletionRequest(OpenAIRequest):
             return ids
         return ids[:k] if self.truncation_side == "right" else ids[len(ids) - k:]
 
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's echo without generation (``echo`` and ``max_tokens=0``, what lm-evaluation-harness's loglikelihood
+        may send): the job samples one token, which the answer leaves out."""
+        return self.echo and self.max_tokens == 0
+
+    def echo_prompt_logprobs(self, prompt: str | list[int]) -> int | None:
+        """The job's ``prompt_logprobs``: as asked; with echo, ``logprobs`` (vLLM's rule) and, for a token-id
+        prompt, at least 0 (the worker names the prompt's tokens in them: the echoed text)."""
+        k = self.prompt_logprobs
+        if self.echo and k is None:
+            if isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool):
+                k = self.logprobs
+            elif not isinstance(prompt, str):
+                k = 0
+        return k
+
     def job_fields(self) -> list[dict[str, Any]]:
-        if self.echo and self.logprobs is not None:
-            raise RequestError("echo with logprobs needs prompt logprobs, which this engine does not compute yet",
-                               param="echo")
         if self.suffix:
             raise RequestError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of other than n is not supported", param="best_of")
         out = []
         for p in self.prompts():
-            fields: dict[str, Any] = {"max_tokens": self.max_tokens}
+            fields: dict[str, Any] = {"max_tokens": 1 if self.echo_only else self.max_tokens}
             if isinstance(p, str):
                 if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens >= 0:
                     # the gateway has no tokenizer: truncating a text prompt needs the worker's (not carried yet)
@@ -198,12 +216,15 @@ class CompletionRequest(OpenAIRequest):
                                        param="truncate_prompt_tokens")
                 fields["prompt"] = p
             else:
-                if self.echo:
-                    raise RequestError("echo of a token-id prompt is not supported (its text is the worker's to decode)",
-                                       param="echo")
                 fields["prompt_token_ids"] = self.truncated(p)
             if self.logprobs is not None:
                 fields["logprobs"] = self.logprobs
+            k = self.echo_prompt_logprobs(p)
+            if k is not None:
+                fields["prompt_logprobs"] = k
+                # a streamed echo leads each choice's first chunk with them (vLLM's order): they come with the
+                # job's first token event, not only with its result
+                fields["stream_prompt_logprobs"] = self.echo and self.stream
             out.append(fields)
         return out
 
@@ -220,6 +241,13 @@ class ChatCompletionRequest(OpenAIRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # tools (issue 26: producer.protocol.tools, producer.gateway.chat.tools)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_use(self) -> ToolUse:
+        return ToolUse.resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def job_fields(self) -> list[dict[str, Any]]:
         if self.continue_final_message and self.add_generation_prompt:
@@ -240,6 +268,7 @@ class ChatCompletionRequest(OpenAIRequest):
         k = chat_logprobs_k(self.logprobs, self.top_logprobs)
         if k is not None:
             fields["logprobs"] = k
+        fields.update(self.tool_use().job_fields(self.response_format, self.structured_outputs))
         return [fields]
 
     def echo_text(self) -> str:
@@ -289,6 +318,12 @@ def total_usage(results: list[JobResult]) -> dict[str, int]:
     return {k: sum(p[k] for p in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
-def model_list(models: list[str]) -> dict:
-    return {"object": "list", "data": [{"id": m, "object": "model", "created": int(time.time()), "owned_by": "pagestream"}
-                                       for m in models]}
+def model_card(model: str, info: dict) -> dict:
+    """vLLM's model object: ``root`` is what the worker loaded (its model path), ``parent`` the base model of an
+    adapter (none: pagestream serves no adapters), ``max_model_len`` the context the worker announced."""
+    return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "pagestream",
+            "root": info.get("root") or model, "parent": None, "max_model_len": info.get("max_model_len")}
+
+
+def model_list(models: dict[str, dict]) -> dict:
+    return {"object": "list", "data": [model_card(m, models[m]) for m in sorted(models)]}

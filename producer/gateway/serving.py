@@ -8,36 +8,80 @@ chunks and the logprobs' layout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+import redis
+
+from pagestream.producer.client import JobNotFound
 from pagestream.producer.gateway.asgi import EventStream
 from pagestream.producer.gateway.errors import GatewayError
+from pagestream.producer.gateway.limits import StreamSlot
 from pagestream.producer.gateway.protocol import OpenAIRequest, first_error_loc, usage_chunk
 from pagestream.producer.gateway.state import GatewayState
 from pagestream.producer.protocol import keys
-from pagestream.producer.protocol.schema import JobResult, JobStatus, TokenEvent, TokenLogprob, format_validation_error
-from pagestream.producer.protocol.tenants import TENANT_FIELD
+from pagestream.producer.protocol.schema import ErrorCode, JobRequest, JobResult, JobStatus, TokenEvent, TokenLogprob, format_validation_error
+from pagestream.producer.protocol.tenants import ANONYMOUS, TENANT_FIELD
 
 
-def sse(obj: dict | str) -> bytes:
+def sse(obj: dict | str, event_id: str | None = None, event: str | None = None) -> bytes:
+    """One SSE event; ``event_id`` (``<job id>:<token index>``) is what a reconnecting client sends back
+    as ``Last-Event-ID``; ``event``: the event's name (the Responses API names each by its type)."""
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    if event is not None:
+        head += f"event: {event}\n"
+    return f"{head}data: {data}\n\n".encode()
+
+
+#: tokens a tokenizer may add to a text prompt (BOS/EOS), and a chat template to its messages
+_SPECIAL_SLACK, _TEMPLATE_SLACK = 16, 512
+
+
+#: the request header that submits a request to run detached: its jobs run to the end even if the client
+#: leaves (no resume grace, no cancel); a stream resumes with ``GET /v1/streams/{id}`` while its record lives
+DETACH_HEADER = "x-pagestream-detach"
+
+
+def is_detached(request: Request) -> bool:
+    return request.headers.get(DETACH_HEADER, "").strip().lower() in ("1", "true", "yes")
+
+
+def event_id(job_id: str, token_index: int) -> str:
+    """The SSE id of an event: the job and the tokens of its sample sent so far, counting this event's."""
+    return f"{job_id}:{token_index}"
 
 
 def job_error(result: JobResult) -> GatewayError:
     """The answer for a job that ended without completing."""
     if result.status == JobStatus.CANCELLED:
         return GatewayError(499, "the job was cancelled", code="cancelled")
+    if result.error_code == ErrorCode.INVALID_INPUT:  # the request's own fault (vLLM: 400); clients retry a 500
+        return GatewayError(400, result.error or "the engine refused the request", code=result.error_code.value)
     return GatewayError(500, f"the job {result.status.value}: {result.error}", type="server_error",
                         code=f"job_{result.status.value}")
+
+
+def lost_error(exc: BaseException, timeout_s: float) -> GatewayError:
+    """The answer for a job whose wait or stream failed: Redis lost it, the request timed out, or Redis
+    stayed unreachable (an error event + ``[DONE]`` on a stream, this status otherwise)."""
+    if isinstance(exc, JobNotFound):
+        return GatewayError(503, f"the job {exc.args[0]} is gone: the queue lost it (Redis restarted without its "
+                            "data?); submit the request again", type="server_error", code="job_lost")
+    if isinstance(exc, TimeoutError):
+        return GatewayError(504, f"the job did not finish in {timeout_s} s", type="server_error", code="timeout")
+    if isinstance(exc, redis.RedisError):
+        return GatewayError(503, "the queue is unavailable; retry later", type="server_error", code="queue_unavailable")
+    return GatewayError(500, "internal error", type="server_error")
 
 
 class OpenAIServing:
@@ -69,6 +113,27 @@ class OpenAIServing:
 
     def stream_logprobs(self, req: OpenAIRequest, lps: list[TokenLogprob], text_offset: int) -> dict:
         raise NotImplementedError
+
+    def lead(self, req: OpenAIRequest, p: int, prompt_lps: list[TokenLogprob] | None) -> tuple[str, list[TokenLogprob]]:
+        """The text and logprobs that lead each choice of prompt ``p`` in its first chunk (completions' streamed
+        echo); ``prompt_lps``: the prompt's logprobs, when its job streams them."""
+        return "", []
+
+    def hides_output(self, req: OpenAIRequest) -> bool:
+        """Whether a stream leaves the sampled tokens out (completions' echo with ``max_tokens=0``)."""
+        return False
+
+    def put_prompt_token_ids(self, chunk: dict[str, Any], ids: list[int]) -> None:
+        """Where a stream's ``return_token_ids`` puts the prompt's ids, once per choice (its first chunk)."""
+
+    async def check_request(self, req: OpenAIRequest) -> None:
+        """A family's own checks against the served model, before any job is submitted."""
+
+    async def chunker(self, req: OpenAIRequest, rid: str, created: int, job_ids: list[str],
+                      resume_from: int | None) -> Callable[..., dict[str, Any] | None]:
+        """One stream's ``(index, text, reason, logprobs) -> chunk`` (None: nothing to send yet); a family that
+        keeps state over a stream (chat's tool calls) returns its own, caught up to ``resume_from``."""
+        return functools.partial(self.chunk, req, rid, created)
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -105,9 +170,20 @@ class OpenAIServing:
 
     # -- the request ----------------------------------------------------------------------------
 
+    def response_id(self, job_id: str) -> str:
+        """The answer's id for a request whose first job is ``job_id``."""
+        return f"{self.id_prefix}-{job_id}"
+
+    async def answer(self, req: OpenAIRequest, rid: str, created: int, results: list[JobResult]) -> dict[str, Any]:
+        """A whole (not streamed) answer's body; a family that stores its answers (responses) does it here."""
+        return self.body(req, rid, created, results)
+
     async def create(self, request: Request, data: dict[str, Any]) -> Response:
+        return await self.serve(request, data, self.parse(data))
+
+    async def serve(self, request: Request, data: dict[str, Any], req: OpenAIRequest) -> Response:
+        """``req`` (parsed from ``data``) checked, queued and answered, whole or streamed."""
         arrived = time.time()
-        req = self.parse(data)
         # one job per prompt (completions take a list); every check runs before the first is submitted
         job_ids = [uuid.uuid4().hex for _ in range(req.num_jobs())]
         try:
@@ -120,26 +196,69 @@ class OpenAIServing:
                 job.metadata[TENANT_FIELD] = tenant.name  # each job (its hash and stream) carries its owner
         await self.state.models.check(req.model, jobs[0].sampling.max_tokens)
         await self.state.models.check_tokens(req.model, jobs, req.logit_bias_ids())
-        if req.logit_bias:
-            raise GatewayError(400, "logit_bias is not applied by this engine yet", param="logit_bias")
+        await self.check_context(req.model, jobs)
+        await self.check_request(req)
         await self.check_admission(req.model)
-        for job in jobs:
-            await self.producer.submit(job, queue_unserved=True)  # the model was checked just above
-        rid = f"{self.id_prefix}-{job_ids[0]}"
+        owner = tenant.name if tenant is not None else ANONYMOUS
+        context_len = (await self.state.models.served()).get(req.model, {}).get("max_model_len")
+        # the tenant's limits, all counted at once before anything is queued (429 past one)
+        slot = await self.state.admission.admit(owner, jobs, context_len if isinstance(context_len, int) else None,
+                                                stream=bool(req.stream))
+        try:
+            for job in jobs:
+                await self.producer.submit(job, queue_unserved=True)  # the model was checked just above
+        except BaseException:  # none or some queued: what was not stops counting now, the rest when it ends
+            await self.state.admission.release(owner, [j.job_id for j in jobs])
+            if slot is not None:
+                await self.state.admission.drop_stream(slot)
+            raise
+        rid = self.response_id(job_ids[0])
         created = int(time.time())
+        detached = is_detached(request)
         if req.stream:
-            return EventStream(self.events(req, rid, created, job_ids, arrived, jobs[0].sampling.max_tokens),
+            record = {"tenant": tenant.name if tenant is not None else None, "family": self.id_prefix,
+                      "created": created, "body": data, "detached": detached}
+            await self.producer.redis.set(keys.stream_record(job_ids[0]), json.dumps(record),
+                                          ex=int(self.settings.request_timeout_s) + 600)
+            return EventStream(self.events(req, rid, created, job_ids, arrived, jobs[0].sampling.max_tokens,
+                                           owner=owner, slot=slot, detached=detached),
                                headers={"Cache-Control": "no-cache"})
-        results = await self.wait_all(request, job_ids)
+        results = await self.wait_all(request, job_ids, detached)
         done = time.time()
         for result in results:
             self.metrics.vllm.observe_result(req.model, result, n=req.n, max_tokens=jobs[0].sampling.max_tokens,
                                              arrived=arrived, finished=done)
-        return JSONResponse(self.body(req, rid, created, results))
+        return JSONResponse(await self.answer(req, rid, created, results))
 
-    async def wait_all(self, request: Request, job_ids: list[str]) -> list[JobResult]:
+    async def check_context(self, model: str, jobs: list[JobRequest]) -> None:
+        """400 before anything is queued for a prompt that, with ``max_tokens``, does not fit the model's
+        context: exact for token ids; for text a worker's tokenizer counts it, asked only when a bound
+        (a token is at least one byte; a template adds a few hundred at most) says it may not fit."""
+        limit = (await self.state.models.served()).get(model, {}).get("max_model_len")
+        if not isinstance(limit, int):
+            return
+        for job in jobs:
+            max_new = job.sampling.max_tokens or 0  # none: as many as fit (vLLM's default)
+            if job.prompt_token_ids is not None:
+                n: int | None = len(job.prompt_token_ids)
+            else:
+                if job.messages is not None:
+                    bound = len(json.dumps([m.model_dump() for m in job.messages]).encode()) + _TEMPLATE_SLACK
+                else:
+                    bound = len((job.prompt or "").encode()) + _SPECIAL_SLACK
+                if bound + max(max_new, 1) <= limit:
+                    continue
+                n = await self.state.tokenization.prompt_len(model, job)
+            if n is not None and (n >= limit or n + max_new > limit):
+                where = "messages" if job.messages is not None else "prompt"
+                raise GatewayError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                   f"{n + max_new} tokens ({n} in the {where}, {max_new} in the completion). "
+                                   f"Please reduce the length of the {where} or completion.", param=where,
+                                   code=ErrorCode.INVALID_INPUT.value)
+
+    async def wait_all(self, request: Request, job_ids: list[str], detached: bool = False) -> list[JobResult]:
         """Every job's result, in order; the first that fails fails the request and cancels the rest."""
-        tasks = [asyncio.ensure_future(self.wait(request, j)) for j in job_ids]
+        tasks = [asyncio.ensure_future(self.wait(request, j, detached)) for j in job_ids]
         try:
             results = []
             for t in asyncio.as_completed(tasks):
@@ -154,29 +273,35 @@ class OpenAIServing:
                     t.cancel()  # its wait() cancels the job
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def wait(self, request: Request, job_id: str) -> JobResult:
-        """The job's result; cancels the job if the client disconnects or the request times out."""
+    async def wait(self, request: Request, job_id: str, detached: bool = False) -> JobResult:
+        """The job's result; cancels the job if the client disconnects or the request times out (a
+        detached job runs on when its client leaves: its result stays readable for its TTL)."""
         task = asyncio.ensure_future(self.producer.result(job_id, timeout=self.settings.request_timeout_s))
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.5)
                 if done:
-                    return task.result()
+                    result = task.result()
+                    tenant = getattr(request.state, "tenant", None)
+                    await self.state.admission.release(tenant.name if tenant else ANONYMOUS, [job_id])  # final
+                    return result
                 if await request.is_disconnected():
-                    self.metrics.disconnect_cancels.inc()
+                    if not detached:
+                        self.metrics.disconnect_cancels.inc()
                     raise GatewayError(499, "client closed the request")
-        except TimeoutError:
-            raise GatewayError(504, f"the job did not finish in {self.settings.request_timeout_s} s", type="server_error",
-                               code="timeout") from None
+        except (TimeoutError, JobNotFound) as exc:
+            raise lost_error(exc, self.settings.request_timeout_s) from None
         finally:
+            keep = detached  # whatever ends this wait (the client gone, the handler cancelled), the job runs on
             if not task.done():
                 task.cancel()
-                self.state.spawn(self.producer.cancel(job_id))
-            elif task.cancelled() or task.exception() is not None:
+                if not keep:
+                    self.state.spawn(self.producer.cancel(job_id))
+            elif (task.cancelled() or task.exception() is not None) and not keep:
                 self.state.spawn(self.producer.cancel(job_id))
 
-    async def _follow(self, p: int, job_id: str, queue: asyncio.Queue) -> None:
-        events = self.producer.follow(job_id, timeout=self.settings.request_timeout_s)
+    async def _follow(self, p: int, job_id: str, queue: asyncio.Queue, from_index: int = 0) -> None:
+        events = self.producer.follow(job_id, from_index, timeout=self.settings.request_timeout_s)
         try:
             async for ev in events:
                 await queue.put((p, ev))
@@ -185,59 +310,113 @@ class OpenAIServing:
             await queue.put((p, exc))
 
     async def events(self, req: OpenAIRequest, rid: str, created: int, job_ids: list[str], arrived: float,
-                     max_tokens: int | None) -> AsyncIterator[bytes]:
-        """The jobs' token events as one stream of chunks (prompt p's sample s is choice p * n + s)."""
+                     max_tokens: int | None, resume_from: int | None = None, owner: str = ANONYMOUS,
+                     slot: StreamSlot | None = None, detached: bool = False) -> AsyncIterator[bytes]:
+        """``chunk_stream`` as server-sent events (closed with this stream: its ``finally`` runs when the client goes)."""
+        chunks = self.chunk_stream(req, rid, created, job_ids, arrived, max_tokens, resume_from, owner, slot, detached)
+        async with contextlib.aclosing(chunks):
+            async for obj, eid in chunks:
+                yield sse(obj, eid)
+
+    async def chunk_stream(self, req: OpenAIRequest, rid: str, created: int, job_ids: list[str], arrived: float,
+                           max_tokens: int | None, resume_from: int | None = None, owner: str = ANONYMOUS,
+                           slot: StreamSlot | None = None,
+                           detached: bool = False) -> AsyncIterator[tuple[dict | str, str]]:
+        """The jobs' token events as one stream of ``(chunk, event id)`` (prompt p's sample s is choice p * n + s);
+        ``resume_from``: a resumed single-job stream, its tokens after that index only. ``owner``'s limits
+        count the jobs until each is seen final, and ``slot`` (its stream) while the stream is open."""
         self.metrics.streams.inc()
         t0 = time.monotonic()
         n = req.n
         queue: asyncio.Queue = asyncio.Queue()
-        followers = [asyncio.ensure_future(self._follow(p, j, queue)) for p, j in enumerate(job_ids)]
+        followers = [asyncio.ensure_future(self._follow(p, j, queue, resume_from or 0)) for p, j in enumerate(job_ids)]
         finished = failed = False
+        # while this client is connected; a detached stream's jobs hold none: they outlive their client
+        lease = asyncio.ensure_future(self.state.leases.hold(job_ids)) if not detached else None
+        held = asyncio.ensure_future(self.state.admission.hold_stream(slot)) if slot is not None else None
+        last_id = event_id(job_ids[0], resume_from or 0)  # the last event's id (error, usage and [DONE] repeat it)
         try:
-            for opening in self.opening_chunks(req, rid, created):
-                yield sse(opening)
+            chunk_of = await self.chunker(req, rid, created, job_ids, resume_from)
+            for opening in self.opening_chunks(req, rid, created) if resume_from is None else ():
+                yield opening, last_id
             text_offset: dict[int, int] = {}  # per choice: completions' text_offset of its next token
             generated: dict[int, int] = {}  # per choice: tokens so far (continuous_usage_stats)
             first_token: dict[int, float] = {}  # per prompt: when its first token reached the gateway (vllm: metrics)
             last_token: dict[int, float] = {}
             done: set[int] = set()
+            prompt_lps: dict[int, list[TokenLogprob]] = {}  # per prompt: its logprobs, from its job's first event
+            led: set[int] = set()  # choices whose first chunk went out (a resumed stream's went out before)
+            prompt_size: dict[int, int] = {}  # per prompt: its tokens, from its job's first event
+            prompt_ids: dict[int, list[int]] = {}  # the same, its ids (return_token_ids)
+            ids_sent: set[int] = set()  # choices whose chunk carried the prompt's ids
+            hide = self.hides_output(req)
             while len(done) < len(job_ids):
                 p, ev = await queue.get()
                 if not isinstance(ev, TokenEvent):  # the job's end: its status, or the follow's error
+                    if isinstance(ev, (JobStatus, JobNotFound)):  # final, or gone: it stops counting
+                        await self.state.admission.release(owner, [job_ids[p]])
                     if ev != JobStatus.COMPLETED:
-                        result = await self.producer.result(job_ids[p], timeout=60)
-                        if result.status != JobStatus.COMPLETED:
+                        error = None
+                        if isinstance(ev, BaseException):
+                            error = lost_error(ev, self.settings.request_timeout_s)
+                        else:
+                            try:
+                                result = await self.producer.result(job_ids[p], timeout=60)
+                            except (TimeoutError, JobNotFound, redis.RedisError) as exc:
+                                error = lost_error(exc, 60)
+                            else:
+                                if result.status != JobStatus.COMPLETED:
+                                    error = job_error(result)
+                        if error is not None:
                             failed = True  # one prompt failing fails the request: the rest are cancelled below
-                            yield sse(job_error(result).body())
-                            yield sse("[DONE]")
+                            yield error.body(), last_id
+                            yield "[DONE]", last_id
                             return
                     done.add(p)
                     continue
                 index = p * n + ev.sample
+                if ev.prompt_logprobs is not None:
+                    prompt_lps.setdefault(p, ev.prompt_logprobs)
+                if ev.prompt_tokens is not None:
+                    prompt_size.setdefault(p, ev.prompt_tokens)
+                if ev.prompt_token_ids is not None:
+                    prompt_ids.setdefault(p, ev.prompt_token_ids)
                 if ev.token_ids:
                     last_token[p] = time.time()
                     first_token.setdefault(p, last_token[p])
+                text, token_lps, token_ids = ("", [], []) if hide else (ev.text, ev.logprobs or [], ev.token_ids)
+                if resume_from is None and index not in led:
+                    led.add(index)
+                    lead_text, lead_lps = self.lead(req, p, prompt_lps.get(p))
+                    text, token_lps = lead_text + text, [*lead_lps, *token_lps]
                 lps = None
-                if ev.logprobs:
+                if token_lps:
                     offset = text_offset.get(index, 0)
-                    lps = self.stream_logprobs(req, ev.logprobs, offset)
-                    text_offset[index] = offset + sum(len(t.token) for t in ev.logprobs)
+                    lps = self.stream_logprobs(req, token_lps, offset)
+                    text_offset[index] = offset + sum(len(t.token) for t in token_lps)
                 generated[index] = generated.get(index, 0) + len(ev.token_ids)
-                if ev.text or ev.finish_reason or lps:
-                    chunk = self.chunk(req, rid, created, index, ev.text, ev.finish_reason, logprobs=lps)
+                if text or ev.finish_reason or lps:
+                    chunk = chunk_of(index, text, ev.finish_reason, logprobs=lps)
+                    if chunk is None:
+                        continue
                     if req.return_token_ids:
-                        chunk["choices"][0]["token_ids"] = ev.token_ids
+                        chunk["choices"][0]["token_ids"] = token_ids
+                        if resume_from is None and index not in ids_sent and p in prompt_ids:
+                            ids_sent.add(index)
+                            self.put_prompt_token_ids(chunk, prompt_ids[p])
                     if req.continuous_usage:
-                        # completion tokens so far of this choice (the prompt's size comes with the final usage)
-                        chunk["usage"] = {"prompt_tokens": 0, "completion_tokens": generated[index],
-                                          "total_tokens": generated[index]}
-                    yield sse(chunk)
+                        # vLLM's: the prompt's size (its job's first event brought it), this choice's tokens so far
+                        size = prompt_size.get(p, 0)
+                        chunk["usage"] = {"prompt_tokens": size, "completion_tokens": generated[index],
+                                          "total_tokens": size + generated[index]}
+                    last_id = event_id(job_ids[p], ev.end_index)
+                    yield chunk, last_id
             finished = True
             done_at = time.time()
             results = [await self.producer.result(j, timeout=60) for j in job_ids]  # usage, and vLLM's metrics
             if req.include_usage:
-                yield sse(usage_chunk(self.chunk_object, rid, req.model, created, results))
-            yield sse("[DONE]")
+                yield usage_chunk(self.chunk_object, rid, req.model, created, results), last_id
+            yield "[DONE]", last_id
             for p, result in enumerate(results):
                 self.metrics.vllm.observe_result(req.model, result, n=n, max_tokens=max_tokens, arrived=arrived,
                                                  finished=done_at, first_token=first_token.get(p),
@@ -245,10 +424,43 @@ class OpenAIServing:
         finally:
             for f in followers:
                 f.cancel()
+            if lease is not None:
+                lease.cancel()
+            if held is not None:
+                held.cancel()  # the stream's slot is free
             self.metrics.streams.dec()
             self.metrics.latency.labels("stream").observe(time.monotonic() - t0)
-            if not finished:  # the client went away, a prompt failed, or the stream failed: stop the jobs
-                if not failed:
-                    self.metrics.disconnect_cancels.inc()
-                for j in job_ids:
-                    self.state.spawn(self.producer.cancel(j))
+            # finished: the leases go; a prompt or the stream failed: the jobs are cancelled now; the client
+            # went away: cancelled now, or once the resume grace passes without a client back (stream_leases)
+            if not detached or failed:
+                self.state.spawn(self.state.leases.ended(job_ids, finished, failed))
+
+
+async def resume(state: GatewayState, request: Request, job_id: str) -> Response:
+    """``GET /v1/streams/{job_id}``: a streamed request's events after ``Last-Event-ID`` (``<job id>:<token
+    index>``; none: from the start), from any gateway; 404 for an unknown job or another tenant's."""
+    raw = await state.producer.redis.get(keys.stream_record(job_id))
+    record = json.loads(raw) if raw else None
+    tenant = getattr(request.state, "tenant", None)
+    if record is None or (tenant is not None and not tenant.owns(record["tenant"])):
+        raise GatewayError(404, f"no stream for job '{job_id}'", code="not_found")
+    families = {state.chat.id_prefix: state.chat, state.completions.id_prefix: state.completions}
+    serving = families.get(record["family"])
+    if serving is None:  # a /v1/responses stream: its events are numbered from the start, not resumable by token
+        raise GatewayError(400, f"the stream of job '{job_id}' ({record['family']}) cannot be resumed", code="not_resumable")
+    req = serving.parse(record["body"])
+    if req.num_jobs() != 1 or req.n != 1:
+        raise GatewayError(400, "only a stream of one prompt and n=1 can be resumed", param="n")
+    last = request.headers.get("last-event-id")
+    from_index = 0
+    if last:
+        owner, _, index = last.rpartition(":")
+        if owner != job_id or not index.isascii() or not index.isdigit():
+            raise GatewayError(400, f"Last-Event-ID must be '{job_id}:<token index>'", param="Last-Event-ID")
+        from_index = int(index)
+    rid = f"{serving.id_prefix}-{job_id}"
+    owner = record["tenant"] or ANONYMOUS
+    slot = await state.admission.admit(tenant.name if tenant is not None else owner, [], None, stream=True)
+    return EventStream(serving.events(req, rid, record["created"], [job_id], time.time(), None, from_index,
+                                      owner=owner, slot=slot, detached=bool(record.get("detached"))),
+                       headers={"Cache-Control": "no-cache"})

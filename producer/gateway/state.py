@@ -10,14 +10,18 @@ from fastapi import Request
 
 from pagestream.producer.client import AsyncProducer
 from pagestream.producer.gateway.auth import KeyTable
+from pagestream.producer.gateway.limits import TenantAdmission
 from pagestream.producer.gateway.metrics import GatewayMetrics
 from pagestream.producer.gateway.settings import GatewaySettings
+from pagestream.producer.gateway.stream_leases import StreamLeases
 
 if TYPE_CHECKING:
     from pagestream.producer.gateway.batches.serving import OpenAIServingBatches
     from pagestream.producer.gateway.chat.serving import OpenAIServingChat
     from pagestream.producer.gateway.completions.serving import OpenAIServingCompletion
     from pagestream.producer.gateway.models.serving import OpenAIServingModels
+    from pagestream.producer.gateway.responses.serving import OpenAIServingResponses
+    from pagestream.producer.gateway.tokenize.serving import OpenAIServingTokenization
 
 
 class GatewayState:
@@ -26,12 +30,17 @@ class GatewayState:
         self.producer = producer
         self.keys = KeyTable(settings.key_specs())
         self.metrics = GatewayMetrics()
+        self.admission = TenantAdmission(producer.redis, settings.limit_table())  # per-tenant limits
         self._background: set[asyncio.Task] = set()
+        self.leases = StreamLeases(self)  # streamed jobs whose client (or gateway) went away
+        self._reaper: asyncio.Task | None = None
         # set by app.py once the state exists (each takes the state)
         self.models: OpenAIServingModels
         self.completions: OpenAIServingCompletion
         self.chat: OpenAIServingChat
+        self.responses: OpenAIServingResponses
         self.batches: OpenAIServingBatches
+        self.tokenization: OpenAIServingTokenization
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run ``work`` beside the requests (a cancel after a client left); awaited at shutdown."""
@@ -39,7 +48,14 @@ class GatewayState:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def start(self) -> None:
+        """Start what runs beside the requests for the gateway's life (the stream lease reaper)."""
+        self._reaper = asyncio.get_running_loop().create_task(self.leases.reap())
+
     async def aclose(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
         await asyncio.gather(*self._background, return_exceptions=True)
         self.batches.close()
         await self.producer.aclose()

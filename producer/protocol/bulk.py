@@ -98,6 +98,9 @@ class BulkSpec(BaseModel):
     endpoint: str | None = None  # lines with another url become error lines
     input_file_id: str | None = None
     metadata: dict[str, str] | None = None
+    # set by the gateway's /v1/batches: a line whose model (after ``model``) no live worker announces,
+    # or that names none, is an error line at once (chat's 404 model_not_found), never a job no worker takes
+    served_models_only: bool = False
 
 
 def decode(raw: dict) -> dict[str, str]:

@@ -15,6 +15,17 @@ consumer, the gateway's dashboard). An entry's fields are flat strings:
 from __future__ import annotations
 
 import enum
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.schema import JobResult, JobStatus
+from pagestream.producer.protocol.settings import ENV_PREFIX
+from pagestream.producer.protocol.wire import as_str
 
 
 class EventType(str, enum.Enum):
@@ -50,3 +61,74 @@ class EventField:
     FAILED = "failed"
     TOTAL = "total"
     DELIVERIES = "deliveries"
+
+
+#: the stream's approximate bound (``XADD MAXLEN ~``) unless ``PAGESTREAM_EVENTS_MAXLEN`` says otherwise
+DEFAULT_EVENTS_MAXLEN = 100_000
+
+
+class EventSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    events_maxlen: int = Field(DEFAULT_EVENTS_MAXLEN, ge=1)
+
+
+@functools.cache
+def events_maxlen() -> int:
+    """``PAGESTREAM_EVENTS_MAXLEN``, else ``DEFAULT_EVENTS_MAXLEN`` (read once per process: a submit
+    of 200k jobs asks it 200k times)."""
+    return EventSettings().events_maxlen
+
+
+def event_fields(type_: EventType, job: str, ts: float, **extra: Any) -> dict[str, str]:
+    """An entry's fields: type, job, ts, then each extra that is not None, as strings."""
+    fields = {EventField.TYPE: type_.value, EventField.JOB: job, EventField.TS: repr(float(ts))}
+    fields.update({k: str(v) for k, v in extra.items() if v is not None})
+    return fields
+
+
+def queue_event(pipe: Any, fields: dict[str, str], maxlen: int) -> None:
+    """Queue the XADD of one event on ``pipe`` (the transaction of the change it reports)."""
+    pipe.xadd(keys.events_stream(), fields, maxlen=maxlen, approximate=True)
+
+
+#: the event a job's final status is reported by (an expired job failed: its ``error`` says why)
+FINAL_EVENT = {JobStatus.COMPLETED: EventType.FINISHED, JobStatus.FAILED: EventType.FAILED,
+               JobStatus.CANCELLED: EventType.CANCELLED, JobStatus.EXPIRED: EventType.FAILED}
+
+
+def final_event_fields(r: JobResult) -> dict[str, str]:
+    """The event of a job's final result: its type by status, with model, worker, finish reason,
+    output tokens, seconds queued and running, error and deliveries where known."""
+    queue_s = r.started_at - r.created_at if r.started_at is not None and r.created_at is not None else None
+    run_s = r.finished_at - r.started_at if r.started_at is not None else None
+    error = r.error if r.error is not None or r.status != JobStatus.EXPIRED else "expired"
+    return event_fields(FINAL_EVENT[r.status], r.job_id, r.finished_at, model=r.model, worker=r.worker,
+                        finish_reason=r.finish_reason, tokens=r.completion_tokens,
+                        queue_s=None if queue_s is None else round(queue_s, 6),
+                        run_s=None if run_s is None else round(run_s, 6), error=error, deliveries=r.deliveries or None)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One entry of the stream, as ``Producer.events()`` yields it."""
+
+    id: str
+    type: EventType | str  # a type this version does not know stays a string
+    job: str
+    ts: float
+    fields: dict[str, str]
+
+    @classmethod
+    def parse(cls, entry_id: Any, raw: dict) -> Event:
+        f = {as_str(k, "replace"): as_str(v, "replace") for k, v in raw.items()}
+        t = f.get(EventField.TYPE, "")
+        try:
+            type_: EventType | str = EventType(t)
+        except ValueError:
+            type_ = t
+        try:
+            ts = float(f.get(EventField.TS, "0"))
+        except ValueError:
+            ts = 0.0
+        return cls(as_str(entry_id), type_, f.get(EventField.JOB, ""), ts, f)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagestream.producer.protocol.events import EventField, EventType
 from pagestream.producer.protocol.schema import JobStatus
 from pagestream.producer.protocol.wire import END_TYPE, JOB_FIELD, TYPE_FIELD, as_str
 
@@ -50,7 +51,10 @@ FIELDS: tuple[str, ...] = tuple(v for k, v in vars(JobField).items() if k.isuppe
 
 _FINAL = ", ".join(f"'{s.value}'" for s in JobStatus if s.is_final)
 
-# KEYS: job hash, lane stream. ARGV: job json, lane, created_at, result_ttl_s, key TTL while queued
+E = EventField
+
+# KEYS: job hash, lane stream, events stream (single node: the event is written by this script).
+# ARGV: job json, lane, created_at, result_ttl_s, key TTL while queued, job id, model, events maxlen
 SUBMIT_LUA = f"""
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {{0, redis.call('HGET', KEYS[1], '{F.ENTRY_ID}') or ''}}
@@ -59,10 +63,15 @@ local id = redis.call('XADD', KEYS[2], '*', '{JOB_FIELD}', ARGV[1])
 redis.call('HSET', KEYS[1], '{F.STATUS}', '{JobStatus.QUEUED.value}', '{F.LANE}', ARGV[2], '{F.ENTRY_ID}', id,
            '{F.CREATED_AT}', ARGV[3], '{F.RESULT_TTL_S}', ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[5])
+if KEYS[3] then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', '{E.TYPE}', '{EventType.QUEUED.value}', '{E.JOB}', ARGV[6],
+             '{E.TS}', ARGV[3], '{E.MODEL}', ARGV[7], '{E.LANE}', ARGV[2])
+end
 return {{1, id}}
 """
 
-# KEYS: job hash, out stream, cancel stream. ARGV: job id, result json (if still queued), now
+# KEYS: job hash, out stream, cancel stream, events stream (the last two: single node only).
+# ARGV: job id, result json (if still queued), now, events maxlen
 CANCEL_LUA = f"""
 local final = {{}}
 for _, s in ipairs({{{_FINAL}}}) do final[s] = true end
@@ -76,6 +85,10 @@ if st == '{JobStatus.QUEUED.value}' then
   redis.call('XADD', KEYS[2], '*', '{TYPE_FIELD}', '{END_TYPE}', 'status', '{JobStatus.CANCELLED.value}')
   redis.call('EXPIRE', KEYS[1], ttl)
   redis.call('EXPIRE', KEYS[2], ttl)
+  if KEYS[4] then
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', '{E.TYPE}', '{EventType.CANCELLED.value}', '{E.JOB}', ARGV[1],
+               '{E.TS}', ARGV[3], '{E.LANE}', redis.call('HGET', KEYS[1], '{F.LANE}') or '')
+  end
 end
 if KEYS[3] then  -- on a cluster the cancel stream is in another slot: the caller XADDs it next
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'job_id', ARGV[1])

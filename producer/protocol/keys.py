@@ -88,6 +88,17 @@ def model_info() -> str:
     return f"{PREFIX}:models:info"
 
 
+def tokenizer_calls(model: str) -> str:
+    """List: tokenizer calls (``/tokenize``, ``/detokenize``, ``/tokenizer_info``) for ``model``'s workers,
+    pushed by the gateway, popped by any worker serving ``model`` (``producer.protocol.tokenization``)."""
+    return f"{PREFIX}:tok:{{{model}}}:calls"
+
+
+def tokenizer_reply(call_id: str) -> str:
+    """List: the one reply to tokenizer call ``call_id`` (expires shortly after it is pushed)."""
+    return f"{PREFIX}:tok:reply:{{{call_id}}}"
+
+
 def dead_letter_stream() -> str:
     """Copies of jobs that were invalid or failed ``max_deliveries`` deliveries."""
     return f"{PREFIX}:dlq"
@@ -195,3 +206,44 @@ def file_tombstone(file_id: str) -> str:
 def events_stream() -> str:
     """The job-event firehose (``protocol/events.py``): one capped stream of lifecycle events."""
     return f"{PREFIX}:events"
+
+
+def stream_record(job_id: str) -> str:
+    """A streamed request's owner and body (JSON), so that any gateway can resume its stream (GET /v1/streams)."""
+    return f"{PREFIX}:streamrec:{{{job_id}}}"
+
+
+def response_record(response_id: str) -> str:
+    """A stored ``/v1/responses`` answer (JSON: its owner, the Response object, the conversation so far), read by
+    ``GET /v1/responses/{id}`` and ``previous_response_id``; it lives ``response_ttl_s``."""
+    return f"{PREFIX}:response:{{{response_id}}}"
+
+
+def stream_leases() -> str:
+    """Sorted set of the jobs whose streams a client holds (or left less than the grace ago), scored by when
+    the lease ends (ms): the serving gateway renews it while its client is connected; every gateway cancels
+    the jobs whose lease ended (``producer/gateway/stream_leases.py``), so a killed gateway's are too."""
+    return f"{PREFIX}:streamleases"
+
+
+# ---- per-tenant limits (producer.protocol.tenant_limits: the open work a tenant's limits count) ----
+# one hash tag per tenant: the admission script reads and writes all of them at once
+def tenant_open_jobs(tenant: str) -> str:
+    """Sorted set of a tenant's admitted jobs not yet seen final, scored by admission time (ms)."""
+    return f"{PREFIX}:limits:{{t:{tenant}}}:jobs"
+
+
+def tenant_job_tokens(tenant: str) -> str:
+    """Hash: each open job of a tenant -> the tokens it counts (prompt + max_tokens x n); field ``total``: their sum."""
+    return f"{PREFIX}:limits:{{t:{tenant}}}:tokens"
+
+
+def tenant_open_streams(tenant: str) -> str:
+    """Sorted set of a tenant's open SSE streams (one token each), scored by lease expiry (ms): a gateway renews
+    its streams' leases, so a killed gateway's streams stop counting when their leases run out."""
+    return f"{PREFIX}:limits:{{t:{tenant}}}:streams"
+
+
+def tenant_open_bulks(tenant: str) -> str:
+    """Sorted set of a tenant's batches created through the gateway and not yet seen final, by admission time (ms)."""
+    return f"{PREFIX}:limits:{{t:{tenant}}}:bulks"

@@ -31,9 +31,14 @@ class ChatMessageIn(BaseModel):
 
     role: str  # any role reaches the chat template (vLLM's behaviour); ``developer`` is read as ``system``
     content: str | list[ContentPart] | None = None
+    # tools (issue 26): an assistant's calls, and the ``tool`` message answering one
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    def flat(self) -> dict[str, str]:
-        """The job schema's message: text parts joined, ``developer`` as ``system`` (``RequestError`` for other parts)."""
+    def flat(self) -> dict[str, Any]:
+        """The job schema's message: text parts joined, ``developer`` as ``system`` (``RequestError`` for other parts);
+        an assistant's ``tool_calls`` with their arguments as objects, as chat templates read them."""
         if isinstance(self.content, list):
             bad = [p.type for p in self.content if p.type != "text" or p.text is None]
             if bad:
@@ -41,7 +46,22 @@ class ChatMessageIn(BaseModel):
             text = "".join(p.text or "" for p in self.content)
         else:
             text = self.content or ""
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            from pagestream.producer.protocol.tools import arguments_as_object
+
+            calls = []
+            for tc in self.tool_calls:
+                fn = tc.get("function") if isinstance(tc, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise RequestError("each tool_calls entry needs function.name", param="messages")
+                calls.append({**tc, "function": {**fn, "arguments": arguments_as_object(fn.get("arguments", "{}"))}})
+            out["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 def chat_logprobs_k(logprobs: bool | None, top_logprobs: int | None) -> int | None:
@@ -95,6 +115,13 @@ def completion_logprobs(lps: list[TokenLogprob], text_offset: int = 0, as_token_
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t in lps:
         name = token_name(t.token_id, t.token, as_token_ids)
+        if t.logprob is None:  # an echoed prompt's first token: nothing scores it (None, None as in vLLM)
+            out["tokens"].append(name)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            out["text_offset"].append(text_offset)
+            text_offset += len(t.token)
+            continue
         top = {name: t.logprob}
         for a in t.top_logprobs:
             top.setdefault(token_name(a.token_id, a.token, as_token_ids), a.logprob)
@@ -103,6 +130,25 @@ def completion_logprobs(lps: list[TokenLogprob], text_offset: int = 0, as_token_
         out["top_logprobs"].append(top)
         out["text_offset"].append(text_offset)
         text_offset += len(t.token)
+    return out
+
+
+def prompt_logprobs_body(lps: list[TokenLogprob], as_token_ids: bool = False) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` field: None for the first prompt token, then per token
+    ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` for the prompt's token and its top alternatives
+    (``rank``: 1 for the most likely, as vLLM's; the prompt's own token has its rank only when it is among
+    the alternatives, None otherwise)."""
+    out: list[dict | None] = []
+    for t in lps:
+        if t.logprob is None:
+            out.append(None)
+            continue
+        entry = {str(a.token_id): {"logprob": a.logprob, "rank": r,
+                                   "decoded_token": token_name(a.token_id, a.token, as_token_ids)}
+                 for r, a in enumerate(t.top_logprobs, start=1)}
+        entry.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": None,
+                                           "decoded_token": token_name(t.token_id, t.token, as_token_ids)})
+        out.append(entry)
     return out
 
 
@@ -117,13 +163,19 @@ def chat_completion_body(rid: str, model: str, created: int, result: JobResult) 
     choices = [{"index": s.index, "logprobs": None if s.logprobs is None else chat_logprobs(s.logprobs),
                 "finish_reason": finish_reason(s.finish_reason), "message": {"role": "assistant", "content": s.text}}
                for s in _samples(result)]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage(result)}
+    if result.prompt_logprobs is not None:  # vLLM's extension, on the response
+        body["prompt_logprobs"] = prompt_logprobs_body(result.prompt_logprobs)
+    return body
 
 
 def text_completion_body(rid: str, model: str, created: int, result: JobResult) -> dict[str, Any]:
     """A ``text_completion`` object: one choice per sample."""
     choices = [{"index": s.index, "logprobs": None if s.logprobs is None else completion_logprobs(s.logprobs),
                 "finish_reason": finish_reason(s.finish_reason), "text": s.text} for s in _samples(result)]
+    if result.prompt_logprobs is not None:  # vLLM's extension, on each choice
+        for c in choices:
+            c["prompt_logprobs"] = prompt_logprobs_body(result.prompt_logprobs)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": usage(result)}

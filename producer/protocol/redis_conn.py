@@ -106,28 +106,62 @@ def _cluster_kwargs(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in ("db", "connection_pool", "health_check_interval")}
 
 
+# ---- stale pooled connections: one retry on a fresh connection -------------------------------------
+#: seconds a pooled connection may sit idle before its next command checks it with a PING first
+HEALTH_CHECK_INTERVAL_S = 30
+
+
+def _stale_retry_kwargs(retry_class) -> dict:
+    """A restart of Redis leaves every pooled connection dead; the first command on one fails with
+    ``ConnectionError`` (or ``TimeoutError``). redis-py then disconnects it and runs the command once more
+    on a fresh connection (``Retry(ExponentialBackoff(...), 1)``): a Redis that is back answers it, one
+    still away raises as before. A caller's own ``retry`` (``outage_proof``) takes precedence."""
+    return {
+        "retry": retry_class(ExponentialBackoff(cap=BACKOFF_CAP_S, base=0.05), 1),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+        "health_check_interval": HEALTH_CHECK_INTERVAL_S,
+    }
+
+
+def _with_stale_retry(kwargs: dict, retry_class) -> dict:
+    defaults = _stale_retry_kwargs(retry_class)
+    if "retry" in kwargs:  # the caller's policy; still on these errors
+        defaults.pop("retry")
+    return {**defaults, **kwargs}
+
+
 def connect(url: str, **kwargs) -> redis.Redis:
     """A client for ``url``: ``RedisCluster`` when that server is a cluster node, else ``Redis``.
 
     Every process (producer, worker, CLI, bulk) opens Redis through here, so one
-    ``--redis-url`` naming any node of a cluster works everywhere.
+    ``--redis-url`` naming any node of a cluster works everywhere, and every command
+    survives a stale pooled connection (``_stale_retry_kwargs``).
     """
     if url_is_cluster(url):
         from redis.cluster import RedisCluster
 
         return RedisCluster.from_url(url, **_cluster_kwargs(kwargs))
-    return redis.Redis.from_url(url, **kwargs)
+    return redis.Redis.from_url(url, **_with_stale_retry(kwargs, Retry))
 
 
-def connect_async(url: str, **kwargs):
-    """``connect`` for redis.asyncio (the probe is one blocking round trip, at construction)."""
+def connect_async(url: str, *, blocking_pool_timeout: float | None = None, **kwargs):
+    """``connect`` for redis.asyncio (the probe is one blocking round trip, at construction).
+
+    With ``blocking_pool_timeout`` a single node's pool is a ``BlockingConnectionPool``: a command waits
+    up to that many seconds for a free connection of ``max_connections`` instead of failing at once.
+    """
     import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry as AsyncRetry
 
     if url_is_cluster(url):
         from redis.asyncio.cluster import RedisCluster
 
         return RedisCluster.from_url(url, **_cluster_kwargs(kwargs))
-    return aioredis.Redis.from_url(url, **kwargs)
+    kwargs = _with_stale_retry(kwargs, AsyncRetry)
+    if blocking_pool_timeout is None:
+        return aioredis.Redis.from_url(url, **kwargs)
+    pool = aioredis.BlockingConnectionPool.from_url(url, timeout=blocking_pool_timeout, **kwargs)
+    return aioredis.Redis(connection_pool=pool)
 
 
 def queue_script(pipe, command: str, script: str, keys: list, args: list):

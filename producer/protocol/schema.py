@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_serializer, model_validator
 
@@ -49,6 +49,14 @@ class JobStatus(str, Enum):
         return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
 
 
+class ErrorCode(str, Enum):
+    """Why a failed job failed, where the cause is the request itself rather than the system."""
+
+    # the engine refused the input (a prompt longer than the context, n above max_num_seqs, ...):
+    # running it again cannot help, so the gateway answers 400 (as vLLM does), not 500
+    INVALID_INPUT = "invalid_input"
+
+
 class Lane(str, Enum):
     HIGH = "high"
     NORMAL = "normal"
@@ -80,6 +88,10 @@ class ChatMessage(BaseModel):
     # any role goes to the model's chat template, as vLLM passes it (the template decides what it means)
     role: str = Field(min_length=1, max_length=64)
     content: str
+    # tools (issue 26): an assistant's calls (arguments as objects) and a tool message's answer id
+    tool_calls: list[dict[str, JsonValue]] | None = None
+    tool_call_id: str | None = Field(None, max_length=256)
+    name: str | None = Field(None, max_length=256)
 
     @field_validator("content")
     @classmethod
@@ -111,10 +123,16 @@ class SamplingOptions(BaseModel):
     include_stop_str_in_output: bool = False
     # per output token: the sampled token's logprob and this many most likely alternatives (0: none)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # per prompt token after the first: its logprob and this many most likely alternatives (vLLM's
+    # prompt_logprobs), in the result's ``prompt_logprobs``
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # constrain the output (JSON schema, JSON object, regex, choice, grammar); OpenAI's
     # response_format is taken too and travels as the structured_outputs it means
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = Field(None, exclude=True)
+    # OpenAI's logit_bias (token id -> a value added to its logit, [-100, 100]); vLLM's allowed_token_ids
+    logit_bias: dict[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)], Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _response_format(self) -> SamplingOptions:
@@ -131,12 +149,12 @@ class SamplingOptions(BaseModel):
     def _stop_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
 
-    @field_validator("logprobs", mode="before")
+    @field_validator("logprobs", "prompt_logprobs", mode="before")
     @classmethod
     def _logprobs_count(cls, v: Any) -> Any:
         # OpenAI's chat habit (logprobs=True) would silently mean 1 alternative: say what the field is
         if isinstance(v, bool):
-            raise ValueError(f"logprobs is the number of alternatives per token (0-{MAX_LOGPROBS}), not true/false; "
+            raise ValueError(f"this is the number of alternatives per token (0-{MAX_LOGPROBS}), not true/false; "
                              "logprobs=0 returns the sampled token's logprob only")
         return v
 
@@ -242,6 +260,28 @@ class JobRequest(BaseModel):
     # -- vLLM's request extensions (issue 24), carried to the worker --
     #: the result carries the prompt's token ids (vLLM's ``return_token_ids``; the worker tokenized the prompt)
     return_prompt_token_ids: bool = False
+    #: the job's first token event carries its ``prompt_logprobs`` too, not only its result (a stream that echoes
+    #: the prompt with its logprobs, as vLLM's streamed ``echo``, needs them with its first chunk)
+    stream_prompt_logprobs: bool = False
+    #: chat tools for the template (OpenAI's ``{"type": "function", "function": {...}}`` objects, issue 26)
+    tools: list[dict[str, JsonValue]] | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_limits(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            from pagestream.producer.protocol.structured import MAX_SCHEMA_DEPTH
+
+            try:
+                check_json_tree(v, MAX_SCHEMA_DEPTH + 3)  # the list, a tool, its function, then the schema
+            except UntrustedJSONError as exc:
+                raise ValueError(f"tools: {exc}") from None
+            try:
+                size = len(json.dumps(v, ensure_ascii=False).encode("utf-8"))
+            except (TypeError, ValueError):
+                return v
+            _at_most("tools as JSON", size, job_limits().max_prompt_bytes, "max_prompt_bytes", " bytes")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -323,6 +363,8 @@ class JobRequest(BaseModel):
             raise ValueError("prompt must not be empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools need messages (a chat job)")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if self.ttl_s is not None and self.deadline is None:
@@ -374,7 +416,7 @@ class TokenLogprob(BaseModel):
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token, which nothing scores (``prompt_logprobs``)
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
     @model_validator(mode="before")
@@ -394,6 +436,8 @@ class TokenEvent(BaseModel):
     once) gives the final text. ``text`` can lag the tokens (partial UTF-8 or stop
     strings are held back) and the last event may carry text but no tokens.
     ``logprobs`` (when the job asked for them) has one entry per token of ``token_ids``.
+    ``prompt_logprobs`` (a job with ``stream_prompt_logprobs``) come on the job's first event, one per prompt token;
+    so do ``prompt_tokens`` (the prompt's size, every job) and ``prompt_token_ids`` (``return_prompt_token_ids``).
     """
 
     job_id: str
@@ -403,6 +447,9 @@ class TokenEvent(BaseModel):
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
 
     @property
     def end_index(self) -> int:
@@ -427,10 +474,13 @@ class JobResult(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    error_code: ErrorCode | None = None
     outputs: list[SampleResult] = Field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_token_ids: list[int] | None = None  # when the job asked (``return_prompt_token_ids``)
+    # when the job asked (``sampling.prompt_logprobs``): one per prompt token, the first with logprob None
+    prompt_logprobs: list[TokenLogprob] | None = None
     worker: str | None = None
     model: str | None = None  # the model the worker served (routing by model), not the name asked for
     deliveries: int = 0

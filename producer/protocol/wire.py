@@ -25,14 +25,23 @@ def job_fields(job: JobRequest) -> dict[str, str]:
 
 
 def token_event_fields(sample: int, index: int, token_ids: list[int], text: str, finish_reason: str | None,
-                       logprobs: list | None = None) -> dict[str, str]:
+                       logprobs: list | None = None, prompt_logprobs: list | None = None,
+                       prompt_tokens: int | None = None, prompt_token_ids: list[int] | None = None) -> dict[str, str]:
     """``logprobs``: one ``[token_id, token, logprob, [[id, token, logprob], ...]]`` per token id
-    (``TokenLogprob``'s wire form), or None: an event without them is exactly what it was before."""
+    (``TokenLogprob``'s wire form), or None: an event without them is exactly what it was before;
+    ``prompt_logprobs``: the same per prompt token, on a job's first event only (``stream_prompt_logprobs``), as are
+    ``prompt_tokens`` (the prompt's size) and ``prompt_token_ids`` (``return_prompt_token_ids``)."""
     ev: dict[str, Any] = {"s": sample, "i": index, "t": token_ids, "x": text}
     if finish_reason is not None:
         ev["f"] = finish_reason
     if logprobs is not None:
         ev["l"] = logprobs
+    if prompt_logprobs is not None:
+        ev["p"] = prompt_logprobs
+    if prompt_tokens is not None:
+        ev["n"] = prompt_tokens
+    if prompt_token_ids is not None:
+        ev["pt"] = prompt_token_ids
     return {TYPE_FIELD: TOKEN_TYPE, "ev": json.dumps(ev, ensure_ascii=False, separators=(",", ":"))}
 
 
@@ -60,7 +69,7 @@ def decode_out_entry(job_id: str, fields: dict) -> TokenEvent | str:
     ev = json.loads(as_str(f["ev"]))
     return TokenEvent(
         job_id=job_id, sample=ev["s"], index=ev["i"], token_ids=ev["t"], text=ev["x"], finish_reason=ev.get("f"),
-        logprobs=ev.get("l"),
+        logprobs=ev.get("l"), prompt_logprobs=ev.get("p"), prompt_tokens=ev.get("n"), prompt_token_ids=ev.get("pt"),
     )
 
 

@@ -18,7 +18,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from starlette.datastructures import UploadFile
 
-from pagestream.producer.bulk.batches import FileStore, cancel_batch, create_batch, get_batch, list_batches
+from pagestream.producer.bulk.batches import FileStore, cancel_batch, create_batch, get_batch, list_batches, new_batch_id
 from pagestream.producer.gateway.errors import GatewayError
 from pagestream.producer.gateway.protocol import first_error_loc
 from pagestream.producer.gateway.state import GatewayState
@@ -41,6 +41,25 @@ class BatchCreate(BaseModel):
         Field(None, max_length=16))
 
 
+_FORM_SLACK_BYTES = 64 * 1024  # room for the form around the file
+
+
+def _capped(receive, max_bytes: int, file_limit: int):
+    """``receive`` that raises a 413 as soon as the body has passed ``max_bytes``."""
+    seen = 0
+
+    async def receive_capped() -> dict:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > max_bytes:
+                raise GatewayError(413, f"file is larger than {file_limit} bytes", code="file_too_large")
+        return message
+
+    return receive_capped
+
+
 def list_limit(request: Request, default: int) -> int:
     raw = request.query_params.get("limit")
     if raw is None:
@@ -54,6 +73,7 @@ class OpenAIServingBatches:
     """Files and batches for one gateway: a blocking Redis client and the file store, made on first use."""
 
     def __init__(self, state: GatewayState) -> None:
+        self.state = state
         self.settings = state.settings
         self._conn: redis.Redis | None = None
         self._files: FileStore | None = None
@@ -79,10 +99,15 @@ class OpenAIServingBatches:
     async def upload(self, request: Request, tenant: Tenant) -> dict[str, Any]:
         limit = self.settings.max_file_bytes
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit + 64 * 1024:  # room for the form around the file
+        if declared and declared.isdigit() and int(declared) > limit + _FORM_SLACK_BYTES:
             raise GatewayError(413, f"file is larger than {limit} bytes", code="file_too_large")
+        # counted as it arrives: a chunked body (no content-length) is refused once it passes the limit,
+        # not after it is spooled to disk whole
+        request = Request(request.scope, _capped(request.receive, limit + _FORM_SLACK_BYTES, limit))
         try:
-            form = await request.form(max_files=1, max_fields=8)
+            form = await request.form(max_files=1, max_fields=8, max_part_size=64 * 1024)
+        except GatewayError:
+            raise
         except Exception as exc:  # starlette raises several kinds for a malformed body
             raise GatewayError(400, f"expected a multipart/form-data body with 'file' and 'purpose': {exc}") from None
         try:
@@ -141,10 +166,17 @@ class OpenAIServingBatches:
             body = BatchCreate.model_validate(data)
         except ValidationError as exc:
             raise GatewayError(422, format_validation_error(exc), param=first_error_loc(exc)) from None
-        return await asyncio.to_thread(
-            create_batch, self.conn, self.files, input_file_id=body.input_file_id, endpoint=body.endpoint,
-            completion_window=body.completion_window, metadata=body.metadata, queue_name=self.settings.bulk_queue,
-            tenant=tenant)
+        bulk_id = new_batch_id()
+        counted = await self.state.admission.admit_bulk(tenant.name, bulk_id)  # 429 past max_open_batches
+        try:
+            return await asyncio.to_thread(
+                create_batch, self.conn, self.files, input_file_id=body.input_file_id, endpoint=body.endpoint,
+                completion_window=body.completion_window, metadata=body.metadata, queue_name=self.settings.bulk_queue,
+                tenant=tenant, bulk_id=bulk_id)
+        except BaseException:
+            if counted:
+                await self.state.admission.release_bulk(tenant.name, bulk_id)
+            raise
 
     async def list_batches(self, request: Request, tenant: Tenant) -> dict[str, Any]:
         return await asyncio.to_thread(list_batches, self.conn, self.files, list_limit(request, 20),

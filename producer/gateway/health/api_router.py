@@ -1,4 +1,8 @@
+"""The open probes (no API key: load balancers, SageMaker, scrapers): ``/health``, ``/ping`` (GET and POST,
+SageMaker's health check, the same answer as ``/health``), ``/version``, ``/load`` and ``/metrics``."""
 from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -14,6 +18,26 @@ async def health(request: Request) -> JSONResponse:
     except Exception as exc:  # any failure to reach Redis means not healthy
         return JSONResponse({"status": "unavailable", "error": type(exc).__name__}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+@router.get("/ping", operation_id="ping_get")
+@router.post("/ping", operation_id="ping_post")
+async def ping(request: Request) -> JSONResponse:
+    return await health(request)
+
+
+@router.get("/version")
+async def server_version() -> JSONResponse:
+    try:
+        found = version("pagestream")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        found = "unknown"
+    return JSONResponse({"version": found})
+
+
+@router.get("/load")
+async def server_load(request: Request) -> JSONResponse:
+    return JSONResponse({"server_load": request.app.state.server_load.in_flight})
 
 
 @router.get("/metrics")

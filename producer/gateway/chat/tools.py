@@ -1,0 +1,88 @@
+"""Tools in ``/v1/chat/completions``: the checks a request's tools need against the server and the model,
+and its answer's calls, whole (``message.tool_calls``) or streamed (``delta.tool_calls``).
+
+``required`` and a named tool were constrained at decoding (``ToolUse.output_schema``); their output is read
+back by ``RequiredToolParser`` / ``NamedToolParser``. ``auto`` output is read by the server's
+``--tool-call-parser``. ``finish_reason`` is ``tool_calls`` when ``auto`` answered calls or ``required``
+stopped on its own; a named tool keeps ``stop``, as vLLM answers.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pagestream.producer.gateway.errors import GatewayError
+from pagestream.producer.gateway.protocol import ChatCompletionRequest, chat_chunk
+from pagestream.producer.gateway.settings import GatewaySettings
+from pagestream.producer.protocol.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser, ToolParser,
+                                                       merge_deltas)
+from pagestream.producer.protocol.tools import AUTO_NEEDS_PARSER, ToolUse
+
+
+def check_tools(req: ChatCompletionRequest, settings: GatewaySettings, model_info: dict[str, Any]) -> None:
+    """400 for tools this server or model cannot answer: ``auto`` without a parser (vLLM's message), tools for
+    a model whose chat template has no tool format (its workers announce whether it renders ``tools``)."""
+    use = req.tool_use()
+    if use.choice == "auto" and not (settings.enable_auto_tool_choice and settings.tool_call_parser):
+        raise GatewayError(400, AUTO_NEEDS_PARSER, param="tool_choice")
+    if use.tools and model_info.get("chat_tools") is False:
+        raise GatewayError(400, f"the chat template of model '{req.model}' has no tool format (it never reads `tools`), "
+                           "so it cannot be given tools; serve a model whose template has one", param="tools")
+
+
+def new_parser(use: ToolUse, settings: GatewaySettings) -> ToolParser:
+    if use.choice == "named":
+        return NamedToolParser(use.named)
+    if use.choice == "required":
+        return RequiredToolParser()
+    return TOOL_PARSERS[settings.tool_call_parser]()
+
+
+def _finish(use: ToolUse, called: bool, reason: str | None) -> str | None:
+    if called and (use.choice == "auto" or (use.choice == "required" and reason == "stop")):
+        return "tool_calls"
+    return None
+
+
+def answer_calls(body: dict[str, Any], texts: dict[int, str], use: ToolUse, settings: GatewaySettings) -> None:
+    """Each choice's message as calls (``content`` null unless the model wrote text before them)."""
+    for choice in body["choices"]:
+        text = texts.get(choice["index"], "")
+        extracted = new_parser(use, settings).extract(text)
+        calls = extracted.tool_calls if use.parallel_tool_calls else extracted.tool_calls[:1]
+        if not calls:
+            continue  # auto answered text
+        choice["message"]["content"] = extracted.content
+        choice["message"]["tool_calls"] = [c.to_openai() for c in calls]
+        choice["finish_reason"] = _finish(use, True, choice["finish_reason"]) or choice["finish_reason"]
+
+
+class ToolCallStream:
+    """A streamed request's chunker: each choice's text through its parser, chunks of ``delta.tool_calls``
+    (index, then id, type and name, then argument fragments) and content outside calls."""
+
+    def __init__(self, req: ChatCompletionRequest, rid: str, created: int, use: ToolUse, settings: GatewaySettings) -> None:
+        self.req, self.rid, self.created, self.use, self.settings = req, rid, created, use, settings
+        self.parsers: dict[int, ToolParser] = {}
+        self.texts: dict[int, str] = {}
+
+    def __call__(self, index: int, text: str | None, reason: str | None = None,
+                 logprobs: dict | None = None) -> dict[str, Any] | None:
+        parser = self.parsers.setdefault(index, new_parser(self.use, self.settings))
+        before = self.texts.get(index, "")
+        deltas = parser.extract_streaming(before, text) if text else []
+        self.texts[index] = before + (text or "")
+        if reason is not None:
+            deltas += parser.finish(self.texts[index])
+        delta = merge_deltas(deltas) or {}
+        if not self.use.parallel_tool_calls and "tool_calls" in delta:
+            delta["tool_calls"] = [tc for tc in delta["tool_calls"] if tc["index"] == 0]
+            if not delta["tool_calls"]:
+                del delta["tool_calls"]
+        if not delta and reason is None and logprobs is None:
+            return None
+        chunk = chat_chunk(self.rid, self.req.model, self.created, index, None, reason, logprobs)
+        choice = chunk["choices"][0]
+        choice["delta"] = delta
+        if reason is not None:
+            choice["finish_reason"] = _finish(self.use, parser.called, reason) or choice["finish_reason"]
+        return chunk

@@ -1,0 +1,1 @@
+"""``/v1/responses``: create (whole or streamed), retrieve, delete, cancel."""

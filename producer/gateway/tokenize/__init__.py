@@ -1,0 +1,1 @@
+"""``/tokenize``, ``/detokenize``, ``/tokenizer_info``: vLLM's tokenizer endpoints, answered by a worker's tokenizer."""

@@ -1,0 +1,126 @@
+"""The job-event firehose ``ps:events`` (issue 27) against a real Redis, with the fake engine:
+each lifecycle change writes its event in the same script / transaction as the change itself."""
+from __future__ import annotations
+
+import pytest
+
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.events import EventType, events_maxlen
+from pagestream.producer.protocol.schema import JobStatus
+from tests.queue_helpers import WorkerProc
+
+
+@pytest.fixture
+def workers(tmp_path):
+    started: list[WorkerProc] = []
+
+    def start(*a, **kw) -> WorkerProc:
+        w = WorkerProc(*a, log_dir=tmp_path, **kw)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop(timeout=10)
+
+
+def test_a_job_that_runs_reports_queued_started_finished_in_order(r, redis_url, producer, workers):
+    w = workers(redis_url, "fake:1", "ev-a")
+    w.wait_ready(60)
+    other = producer.submit(prompt="someone else", max_tokens=3, seed=1)
+    job = producer.submit(prompt="hello events", max_tokens=5, seed=7)
+    seen = []
+    for ev in producer.events(job=job, follow=True, block_s=0.2):  # from the oldest event kept
+        seen.append(ev)
+        if ev.type == EventType.FINISHED:
+            break
+    assert [e.type for e in seen] == [EventType.QUEUED, EventType.STARTED, EventType.FINISHED]
+    assert {e.job for e in seen} == {job}
+    assert [e.id for e in seen] == sorted([e.id for e in seen], key=lambda i: tuple(map(int, i.split("-"))))
+    queued, started, finished = seen
+    assert queued.fields["lane"] == "normal" and queued.fields["model"] == ""  # no model asked: any worker
+    assert started.fields["worker"] == "ev-a" and started.fields["deliveries"] == "1"
+    res = producer.result(job, timeout=30)
+    assert finished.fields["worker"] == "ev-a"
+    assert finished.fields["tokens"] == str(res.completion_tokens) == "5"
+    assert finished.fields["finish_reason"] == res.finish_reason
+    assert float(finished.fields["run_s"]) >= 0 and float(finished.fields["queue_s"]) >= 0
+    # the other job's events are there too, unfiltered; a type filter keeps only that type
+    producer.result(other, timeout=30)
+    assert {e.job for e in producer.events()} == {job, other}
+    assert [e.job for e in producer.events(types=["finished"])].count(job) == 1
+
+
+def test_cancel_while_queued_reports_cancelled_and_from_now_skips_the_past(r, producer):
+    job = producer.submit(prompt="never runs", max_tokens=5)
+    assert producer.cancel(job) == JobStatus.QUEUED
+    assert [e.type for e in producer.events(job=job)] == [EventType.QUEUED, EventType.CANCELLED]
+    assert producer.cancel(job) == JobStatus.CANCELLED  # a second cancel changes nothing: no second event
+    assert [e.type for e in producer.events(job=job)] == [EventType.QUEUED, EventType.CANCELLED]
+    assert list(producer.events(from_id="$")) == []
+    last = list(producer.events())[-1].id
+    later = producer.submit(prompt="later", max_tokens=1)
+    assert [(e.job, e.type) for e in producer.events(from_id=last)] == [(later, EventType.QUEUED)]
+
+
+def test_an_unknown_event_type_is_refused_before_any_read(producer):
+    with pytest.raises(ValueError):
+        list(producer.events(types=["finishd"]))
+
+
+def test_the_stream_stays_under_its_bound(r, producer, monkeypatch):
+    monkeypatch.setenv("PAGESTREAM_EVENTS_MAXLEN", "100")
+    events_maxlen.cache_clear()
+    try:
+        ids = producer.submit_many([{"prompt": f"p{i}", "max_tokens": 1} for i in range(1500)])
+        for j in ids[:300]:
+            producer.cancel(j)
+    finally:
+        monkeypatch.delenv("PAGESTREAM_EVENTS_MAXLEN")
+        events_maxlen.cache_clear()
+    n = r.xlen(keys.events_stream())
+    assert 100 <= n < 300, n  # MAXLEN ~ trims whole nodes: a little over the bound, never unbounded
+    newest = [e.job for e in producer.events()][-1]
+    assert newest == ids[299]  # the newest event (the last cancel) is kept
+
+
+def test_the_async_producer_reads_the_same_events(redis_url, producer):
+    import asyncio
+
+    from pagestream.producer import AsyncProducer
+
+    job = producer.submit(prompt="async reader", max_tokens=2)
+    producer.cancel(job)
+
+    async def read() -> list:
+        async with AsyncProducer.from_url(redis_url) as ap:
+            return [(e.job, e.type) async for e in ap.events(job=job)]
+
+    assert asyncio.run(read()) == [(job, EventType.QUEUED), (job, EventType.CANCELLED)]
+
+
+def test_cancel_while_running_reports_cancelled_from_the_worker(r, redis_url, producer, workers):
+    w = workers(redis_url, "fake:40", "ev-run")
+    w.wait_ready(60)
+    job = producer.submit(prompt="long one", max_tokens=500, seed=3)
+    seen = []
+    for ev in producer.events(job=job, follow=True, block_s=0.2):
+        seen.append(ev.type)
+        if ev.type == EventType.STARTED:
+            assert producer.cancel(job) == JobStatus.RUNNING
+        if ev.type in (EventType.CANCELLED, EventType.FINISHED, EventType.FAILED):
+            break
+    assert seen == [EventType.QUEUED, EventType.STARTED, EventType.CANCELLED]
+    assert producer.result(job, timeout=30).status == JobStatus.CANCELLED
+
+
+def test_a_poison_entry_is_reported_dead_lettered(r, redis_url, producer, workers):
+    from pagestream.producer.protocol.wire import JOB_FIELD
+
+    w = workers(redis_url, "fake:1", "ev-dlq")
+    w.wait_ready(60)
+    r.xadd(keys.jobs_stream("normal", None), {JOB_FIELD: "{not json"})
+    for ev in producer.events(follow=True, block_s=0.2, types=["dead_lettered"]):
+        break
+    assert ev.job == "" and ev.fields["lane"] == "normal"  # the entry named no job
+    assert ev.fields["error"]

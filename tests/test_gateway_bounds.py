@@ -1,0 +1,139 @@
+"""Bounded everything (issue 22): uploads counted while they stream, multipart limits, strict query
+parameters, against a gateway process (no worker needed: nothing here reaches one)."""
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from gateway_helpers import DB_URL, GatewayProc
+
+MAX_FILE = 1024 * 1024
+HEADER_TIMEOUT_S = 1.5
+MAX_CONNECTIONS = 32
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory):
+    g = GatewayProc(DB_URL, log_dir=tmp_path_factory.mktemp("bounds"),
+                    env={"PAGESTREAM_GATEWAY_FILES_URI": str(tmp_path_factory.mktemp("files")),
+                         "PAGESTREAM_GATEWAY_MAX_FILE_BYTES": str(MAX_FILE),
+                         "PAGESTREAM_GATEWAY_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+                         "PAGESTREAM_GATEWAY_MAX_CONNECTIONS": str(MAX_CONNECTIONS)})
+    try:
+        g.wait_ready()
+        yield g
+    finally:
+        g.stop()
+
+
+def test_a_chunked_upload_is_refused_once_it_passes_the_limit_not_after_it_ends(gw):
+    """3 MiB of a file sent chunked (no content-length) and the body left open: the 413 arrives while
+    the client could still be sending, so the gateway never waited for (or spooled) the whole body."""
+    boundary = "xyzzy"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jsonl\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=15) as s:
+        s.sendall(f"POST /v1/files HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                  f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n".encode())
+        chunk = b"x" * 65536
+        s.sendall(b"%x\r\n%s\r\n" % (len(head), head))
+        for _ in range(3 * MAX_FILE // len(chunk)):
+            s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        answer = b""
+        while b"\r\n\r\n" not in answer or b"}}" not in answer:
+            data = s.recv(65536)  # main waited for the body's end here: a timeout
+            if not data:
+                break
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert f"larger than {MAX_FILE} bytes".encode() in answer
+    assert b'"code":"file_too_large"' in answer
+    assert gw.healthy()
+
+
+def test_a_form_of_20000_fields_is_a_4xx_not_a_reset(gw):
+    body = "&".join(f"f{i}=v" for i in range(20_000))
+    fields = [(f"f{i}", (None, b"v")) for i in range(20_000)]
+    r = httpx.post(f"{gw.base_url}/files", files=fields, timeout=30)
+    assert 400 <= r.status_code < 500 and "error" in r.json()
+    r = httpx.post(f"{gw.base_url}/files", content=body, headers={"content-type": "application/x-www-form-urlencoded"},
+                   timeout=30)
+    assert 400 <= r.status_code < 500 and "error" in r.json()
+    assert gw.healthy()
+
+
+@pytest.mark.parametrize("raw", ["١٢", "1_0", "²", " 5", "5 ", "+5", "0x10", "1e3", "", "-1", "0", "99999999999"])
+@pytest.mark.parametrize("path", ["/files", "/batches"])
+def test_integer_query_parameters_are_ascii_digits_only(gw, path, raw):
+    r = httpx.get(f"{gw.base_url}{path}", params={"limit": raw}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "limit"
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(gw):
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=HEADER_TIMEOUT_S + 10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        t0 = time.monotonic()
+        assert s.recv(1024) == b""  # closed by the gateway (main held it open for ever: a timeout here)
+        assert time.monotonic() - t0 < HEADER_TIMEOUT_S + 3
+    assert gw.healthy()
+
+
+def test_connections_past_the_cap_get_a_503_and_the_gateway_recovers(gw):
+    held = [socket.create_connection(("127.0.0.1", gw.port), timeout=10) for _ in range(MAX_CONNECTIONS + 4)]
+    try:
+        time.sleep(0.2)
+        r = httpx.get(f"http://127.0.0.1:{gw.port}/health", timeout=10)
+        assert r.status_code == 503
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.3)
+    assert gw.healthy()
+
+
+
+def test_health_answers_within_100_ms_while_bodies_of_a_million_objects_are_parsed(gw):
+    """A 3.9 MB body of a million ``{}`` took ~1.3 s to parse and check on the event loop, and /health
+    waited that long (~1 s); now bodies past 256 KiB are checked in a worker thread and one of more than
+    100,000 arrays/objects is refused before it is built: /health answers at once, the body gets a 400."""
+    import threading
+
+    body = ("[" + ", ".join(["{}"] * 1_000_000) + "]").encode()
+    assert 3_900_000 < len(body) < 4 * 1024 * 1024
+    answers: list[int] = []
+
+    def post() -> None:
+        with httpx.Client(timeout=60) as c:
+            for path in ("/completions", "/chat/completions", "/batches") * 3:
+                r = c.post(f"{gw.base_url}{path}", content=body, headers={"content-type": "application/json"})
+                answers.append((r.status_code, r.json()["error"]["type"]))
+
+    poster = threading.Thread(target=post)
+    latencies = []
+    with httpx.Client(timeout=10) as c:
+        c.get(f"http://127.0.0.1:{gw.port}/health")
+        poster.start()
+        while poster.is_alive():
+            t0 = time.perf_counter()
+            assert c.get(f"http://127.0.0.1:{gw.port}/health").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+    poster.join()
+    assert answers == [(400, "invalid_request_error")] * 9
+    assert len(latencies) > 10
+    assert max(latencies) < 0.1, sorted(latencies)[-5:]
+
+
+def test_braces_inside_strings_are_not_counted_as_containers(gw):
+    """A prompt of 300,000 ``{[`` is text, not 300,000 objects: the body passes the container bound and
+    fails later, on the model (no worker serves it), while one of 100,001 real arrays is refused."""
+    r = httpx.post(f"{gw.base_url}/completions", json={"model": "nobody", "prompt": '{["\\' * 300_000,
+                                                       "max_tokens": 1}, timeout=30)
+    assert "arrays and objects" not in r.text and r.status_code in (400, 404), r.text
+    r = httpx.post(f"{gw.base_url}/completions", content=b'{"model": "m", "prompt": ' + b"[" * 100_001, timeout=30)
+    assert r.status_code == 400 and "more than 100000 arrays and objects" in r.json()["error"]["message"], r.text
