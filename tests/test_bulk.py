@@ -526,3 +526,26 @@ def test_finalize_cleanup_removes_what_a_part_writer_killed_mid_write_left(tmp_p
     (tmp_path / "out" / "parts" / ".tmp-0123456789abcdef").write_bytes(b"half a li")
     assert remove_parts(out) == 1
     assert not (tmp_path / "out" / "parts").exists()
+
+
+# ---- issue 37, item 6: a bad line says which line it is and what replaces a removed field ----------------
+
+def test_a_line_nested_too_deep_still_names_its_top_level_custom_id():
+    deep = {"custom_id": "deep-1", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "x", "metadata": json.loads("[" * 40 + "]" * 40)}}
+    bad = parse_line(json.dumps(deep), 7)
+    assert isinstance(bad, BadLine) and "invalid JSON" in bad.reason
+    assert (bad.line, bad.custom_id) == (7, "deep-1")
+    # nested past the standard parser's own bound too: no custom_id can be read, and nothing raises
+    bad = parse_line('{"custom_id": "x", "a": ' + "[" * 200_000 + "]" * 200_000 + "}", 8, max_bytes=10**6)
+    assert isinstance(bad, BadLine) and bad.custom_id in (None, "x")
+
+
+@pytest.mark.parametrize("form", ["openai", "flat"])
+def test_removed_guided_fields_in_a_line_name_their_replacement_as_the_gateway_does(form):
+    body = {"model": "m", "prompt": "x", "guided_json": {"type": "object"}}
+    line = {"custom_id": "g1", "method": "POST", "url": "/v1/completions", "body": body} if form == "openai" \
+        else {"custom_id": "g1", **body}
+    bad = parse_line(json.dumps(line), 1)
+    assert isinstance(bad, BadLine) and bad.custom_id == "g1", bad
+    assert "guided_json was removed (as in vLLM); use structured_outputs.json" in bad.reason

@@ -49,8 +49,13 @@ def wait_final(c: openai.OpenAI, batch_id: str, stack, timeout: float = 240.0) -
 
 
 def raw_batch(c: openai.OpenAI, batch_id: str) -> openai.types.Batch:
-    """The Batch as sent, validated strictly (the SDK itself builds objects without validation)."""
-    return openai.types.Batch.model_validate(c.batches.with_raw_response.retrieve(batch_id).http_response.json())
+    """The Batch as sent, validated strictly (the SDK itself builds objects without validation), and
+    holding OpenAI's fields only: no server paths or internal fields (issue 37: ``input``, ``output``,
+    ``rq_job_id``, ``manifest``, ``lines_read`` were there)."""
+    sent = c.batches.with_raw_response.retrieve(batch_id).http_response.json()
+    assert set(sent) <= set(openai.types.Batch.model_fields), set(sent) - set(openai.types.Batch.model_fields)
+    assert "/" not in json.dumps({k: v for k, v in sent.items() if k not in ("endpoint", "metadata")}), sent
+    return openai.types.Batch.model_validate(sent)
 
 
 def test_files_and_batch_to_completed_output_validates(stack, tmp_path):

@@ -137,3 +137,57 @@ def test_braces_inside_strings_are_not_counted_as_containers(gw):
     assert "arrays and objects" not in r.text and r.status_code in (400, 404), r.text
     r = httpx.post(f"{gw.base_url}/completions", content=b'{"model": "m", "prompt": ' + b"[" * 100_001, timeout=30)
     assert r.status_code == 400 and "more than 100000 arrays and objects" in r.json()["error"]["message"], r.text
+
+
+# ---- issue 37: work per request bounded, validation errors short ---------------------------------------
+
+def _jobs_in(db_url: str) -> int:
+    import redis
+
+    with redis.Redis.from_url(db_url) as r:
+        return sum(1 for _ in r.scan_iter(match="ps:job:*", count=1000))
+
+
+def test_a_list_of_20000_prompts_is_a_400_naming_both_numbers_and_queues_nothing(gw):
+    """80 kB of ``[[1], [1], ...]`` was a 503 after 23 s with 19,568 jobs left queued; now the count is
+    checked before anything else (default 256 prompts x n per request)."""
+    before = _jobs_in(DB_URL)
+    t0 = time.perf_counter()
+    r = httpx.post(f"{gw.base_url}/completions", json={"model": "m", "prompt": [[1]] * 20_000, "max_tokens": 1},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    assert time.perf_counter() - t0 < 2.0
+    err = r.json()["error"]
+    assert "20000" in err["message"] and "256" in err["message"] and err["param"] == "prompt", err
+    assert _jobs_in(DB_URL) == before
+
+
+def test_prompts_times_n_past_the_limit_is_a_400_naming_the_product(gw):
+    r = httpx.post(f"{gw.base_url}/completions", json={"model": "m", "prompt": ["a"] * 100, "n": 4}, timeout=30)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "100 prompt(s) x n=4 = 400" in message and "256" in message, message
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"model": "m", "messages": [{}] * 50_000}, "50000 messages"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 50_000}]},
+     "50000 parts"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}] * 1_000}, "1000 tools"),
+])
+def test_long_lists_are_refused_by_their_count_in_a_short_400(gw, body, says):
+    """A million ``{}`` messages were a 9.8 s 400 whose body listed every item (3.7 MB at 100k)."""
+    t0 = time.perf_counter()
+    r = httpx.post(f"{gw.base_url}/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text[:500]
+    assert time.perf_counter() - t0 < 3.0
+    assert says in r.json()["error"]["message"] and len(r.content) < 1_000, r.text[:500]
+
+
+def test_a_body_with_many_bad_items_answers_a_few_errors_and_a_count(gw):
+    body = {"model": "m", "messages": [{"role": "user", "content": 7}] * 1_000}
+    r = httpx.post(f"{gw.base_url}/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text[:500]
+    message = r.json()["error"]["message"]
+    assert "more error(s)" in message and len(r.content) < 2_000, message[:500]

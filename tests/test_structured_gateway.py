@@ -52,6 +52,13 @@ def _client(stack) -> openai.OpenAI:
     ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "not a valid regular expression"),
     ({"extra_body": {"structured_outputs": {"choice": []}}}, "at least one string"),
     ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "exactly one of"),
+    # issue 37: specs the engine's compiler refuses were 500s from the worker; now the same backend answers 400
+    ({"extra_body": {"structured_outputs": {"regex": "(?=a)b"}}}, "Lookahead is not supported"),
+    ({"extra_body": {"structured_outputs": {"grammar": 'rule ::= "a"'}}}, 'root rule with name "root" is not found'),
+    ({"extra_body": {"structured_outputs": {"json": {"$ref": "#/nope"}}}}, "Cannot find field 'nope'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}},
+     "response_format.json_schema.schema cannot be compiled"),
+    ({"extra_body": {"structured_outputs": {"grammar": "root ::= root"}}}, "its language is empty"),
     ({"extra_body": {"guided_json": SCHEMA}}, "guided_json was removed (as in vLLM); use structured_outputs.json"),
     ({"extra_body": {"guided_choice": ["a"]}}, "use structured_outputs.choice"),
     ({"extra_body": {"guided_regex": "a+"}}, "use structured_outputs.regex"),

@@ -249,9 +249,12 @@ def _window(seconds: float | None) -> str:
     return "none" if seconds is None else f"{seconds / 3600:g}h"
 
 
-def batch_object(conn: redis.Redis, bulk_id: str, files: FileStore | None = None) -> dict[str, Any]:
-    """The OpenAI ``Batch`` of a bulk (``openai.types.Batch`` validates it), plus pagestream's own
-    fields (input/output URIs, lines read, manifest). Raises ``KeyError`` for an unknown bulk."""
+def batch_object(conn: redis.Redis, bulk_id: str, files: FileStore | None = None, *,
+                 internal: bool = False) -> dict[str, Any]:
+    """The OpenAI ``Batch`` of a bulk (``openai.types.Batch`` validates it): OpenAI's fields only, as the
+    API answers it (no server paths or internal fields). ``internal`` adds pagestream's own fields for an
+    operator (input/output URIs, lines read, RQ job, manifest), as ``pagestream bulk status --json`` prints.
+    Raises ``KeyError`` for an unknown bulk."""
     st = get_bulk(conn, bulk_id)
     spec = load_spec(conn, bulk_id)
     cancel_at, seen_endpoint = (as_str(v) for v in conn.hmget(keys.bulk_hash(bulk_id), BulkField.CANCEL_REQUESTED, BulkField.ENDPOINT))
@@ -269,8 +272,7 @@ def batch_object(conn: redis.Redis, bulk_id: str, files: FileStore | None = None
     def at(s: BulkStatus) -> int | None:
         return finished if status == s else None
 
-    return {
-        **st,
+    batch = {
         "id": bulk_id,
         "object": "batch",
         "endpoint": spec.endpoint or seen_endpoint or CHAT_URL,
@@ -291,7 +293,9 @@ def batch_object(conn: redis.Redis, bulk_id: str, files: FileStore | None = None
         "cancelled_at": at(BulkStatus.CANCELLED),
         "request_counts": st["request_counts"],
         "metadata": spec.metadata,
+        "model": spec.model,
     }
+    return {**st, **batch} if internal else batch
 
 
 def batch_owner(conn: redis.Redis, bulk_id: str) -> str | None:

@@ -126,7 +126,7 @@ def status(
     try:
         conn = _conn(redis_url)
         # --json: OpenAI's Batch object (openai.types.Batch validates it) plus pagestream's fields
-        st = batch_object(conn, bulk_id) if as_json else get_bulk(conn, bulk_id)
+        st = batch_object(conn, bulk_id, internal=True) if as_json else get_bulk(conn, bulk_id)
     except KeyError:
         fail(f"no bulk {bulk_id}")
     if as_json:

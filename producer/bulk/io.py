@@ -12,6 +12,7 @@ nesting bomb or a line of hundreds of MiB is one error line, not a stalled bulk.
 """
 from __future__ import annotations
 
+import json
 import reprlib
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from pagestream.producer.protocol.openai import (
 )
 from pagestream.producer.protocol.limits import job_limits
 from pagestream.producer.protocol.schema import MAX_LOGPROBS, format_validation_error
+from pagestream.producer.protocol.structured import removed_guided
 from pagestream.producer.protocol.untrusted import UntrustedJSONError, loads_untrusted
 
 SUPPORTED_URLS = (COMPLETIONS_URL, CHAT_URL)
@@ -189,6 +191,17 @@ def max_line_bytes() -> int:
     return job_limits().max_entry_bytes
 
 
+def _readable_custom_id(raw: str) -> str | None:
+    """The top-level ``custom_id`` of a line the bounded reader refused (nested too deep, say), when the
+    standard parser can still read it within its own recursion bound: the error line then names it."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
+    return custom_id if isinstance(custom_id, str) and 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS else None
+
+
 def parse_line(raw: bytes | str, line: int, max_bytes: int | None = None) -> BulkRequest | BadLine | None:
     """Parse one input line; ``None`` for a blank line (skipped, not an error).
 
@@ -210,7 +223,7 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int | None = None) -> Bul
     try:
         obj = loads_untrusted(raw, max_bytes=limit)
     except UntrustedJSONError as exc:
-        return BadLine(line, f"invalid JSON: {str(exc).removeprefix('not valid JSON: ')}")
+        return BadLine(line, f"invalid JSON: {str(exc).removeprefix('not valid JSON: ')}", _readable_custom_id(raw))
     if not isinstance(obj, dict):
         return BadLine(line, f"a line must be a JSON object, got {type(obj).__name__}")
 
@@ -232,6 +245,8 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int | None = None) -> Bul
         body = obj.get("body")
         if not isinstance(body, dict):
             return BadLine(line, "body must be a JSON object", custom_id)
+        if (removed := removed_guided(body.get)) is not None:
+            return BadLine(line, f"body.{removed[1]}", custom_id)
         try:
             parsed = RequestBody.model_validate(body)
         except ValidationError as exc:
@@ -247,6 +262,8 @@ def parse_line(raw: bytes | str, line: int, max_bytes: int | None = None) -> Bul
         return BulkRequest(line=line, custom_id=custom_id, url=url, body=parsed, logprobs=k)
 
     fields = {k: v for k, v in obj.items() if k != "custom_id"}
+    if (removed := removed_guided(fields.get)) is not None:
+        return BadLine(line, removed[1], custom_id)
     try:
         parsed = RequestBody.model_validate(fields)
     except ValidationError as exc:

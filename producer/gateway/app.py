@@ -13,6 +13,7 @@ has its job cancelled (the worker aborts it within one step, freeing its KV bloc
 """
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
@@ -34,6 +35,7 @@ from pagestream.producer.gateway.models.api_router import router as models_route
 from pagestream.producer.gateway.models.serving import OpenAIServingModels
 from pagestream.producer.gateway.responses.api_router import router as responses_router
 from pagestream.producer.gateway.responses.serving import OpenAIServingResponses
+from pagestream.producer.protocol import grammar_check
 from pagestream.producer.gateway.settings import GatewaySettings
 from pagestream.producer.gateway.state import GatewayState
 from pagestream.producer.gateway.streams.api_router import router as streams_router
@@ -66,6 +68,9 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
         state.batches = OpenAIServingBatches(state)
         state.tokenization = OpenAIServingTokenization(state)
         app.state.gateway = state
+        # the grammar backend's check of structured specs (producer.protocol.grammar_check) imports xgrammar
+        # (and torch, ~2 s) once, before the gateway answers, not on the event loop of a first constrained request
+        await asyncio.to_thread(grammar_check.warm_up)
         state.start()
         try:
             yield

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagestream.producer.protocol.errors import RequestError
+from pagestream.producer.protocol.limits import job_limits
 from pagestream.producer.protocol.openai import ChatMessageIn, chat_logprobs_k, finish_reason, usage
 from pagestream.producer.protocol.schema import JobRequest, JobResult
 from pagestream.producer.protocol.tools import ChatTool, ToolChoice, ToolUse
@@ -87,11 +88,10 @@ class OpenAIRequest(BaseModel):
     guided_whitespace_pattern: Any = None
 
     def structured_fields(self) -> dict[str, Any]:
-        from pagestream.producer.protocol.structured import GUIDED_REPLACEMENTS
+        from pagestream.producer.protocol.structured import removed_guided
 
-        for name, replacement in GUIDED_REPLACEMENTS.items():
-            if getattr(self, name, None) is not None:
-                raise RequestError(f"{name} was removed (as in vLLM); use {replacement}", param=name)
+        if (removed := removed_guided(lambda name: getattr(self, name, None))) is not None:
+            raise RequestError(removed[1], param=removed[0])
         fields: dict[str, Any] = {}
         if self.response_format is not None:
             fields["response_format"] = self.response_format
@@ -283,6 +283,46 @@ class ChatCompletionRequest(OpenAIRequest):
         # the job's ``logprobs`` (a count) is chat's ``top_logprobs``
         param = OpenAIRequest.param_of(loc)
         return "top_logprobs" if param == "logprobs" else param
+
+
+#: tools one chat request may carry (OpenAI's own limit)
+MAX_TOOLS = 128
+#: errors a 400 lists (then a count of the rest), as vLLM's 400s are short
+MAX_LISTED_ERRORS = 5
+
+
+def check_list_lengths(data: Any, max_choices: int) -> None:
+    """The lists a body may hold, counted before any deep validation, so a million-item list costs a
+    ``len`` and a one-line 400, not seconds of pydantic and a megabyte of errors."""
+    if not isinstance(data, dict):
+        return
+    limits = job_limits()
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > max_choices:
+        raise RequestError(f"prompt holds {len(prompt)} prompts; at most {max_choices} per request "
+                           "(max_request_choices: prompts x n)", param="prompt")
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        if len(messages) > limits.max_messages:
+            raise RequestError(f"messages holds {len(messages)} messages; at most {limits.max_messages} "
+                               "(max_messages)", param="messages")
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list) and len(content) > limits.max_messages:
+                raise RequestError(f"messages[{i}].content holds {len(content)} parts; at most "
+                                   f"{limits.max_messages} (max_messages)", param=f"messages.{i}.content")
+    tools = data.get("tools")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise RequestError(f"tools holds {len(tools)} tools; at most {MAX_TOOLS}", param="tools")
+
+
+def check_choices(req: OpenAIRequest, max_choices: int) -> None:
+    """400 for a request whose prompts times ``n`` pass ``max_choices`` (both numbers named)."""
+    prompts, n = req.num_jobs(), max(req.n, 1)
+    if prompts * n > max_choices:
+        raise RequestError(f"this request asks for {prompts} prompt(s) x n={n} = {prompts * n} completions; "
+                           f"at most {max_choices} per request (max_request_choices)",
+                           param="prompt" if prompts > 1 else "n")
 
 
 def first_error_loc(exc: ValidationError) -> str | None:

@@ -26,7 +26,8 @@ from pagestream.producer.client import JobNotFound
 from pagestream.producer.gateway.asgi import EventStream
 from pagestream.producer.gateway.errors import GatewayError
 from pagestream.producer.gateway.limits import StreamSlot
-from pagestream.producer.gateway.protocol import OpenAIRequest, first_error_loc, usage_chunk
+from pagestream.producer.gateway.protocol import (MAX_LISTED_ERRORS, OpenAIRequest, check_choices, check_list_lengths,
+                                                  first_error_loc, usage_chunk)
 from pagestream.producer.gateway.state import GatewayState
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.schema import ErrorCode, JobRequest, JobResult, JobStatus, TokenEvent, TokenLogprob, format_validation_error
@@ -138,10 +139,14 @@ class OpenAIServing:
     # -- checks ---------------------------------------------------------------------------------
 
     def parse(self, data: dict[str, Any]) -> OpenAIRequest:
+        check_list_lengths(data, self.settings.max_request_choices)  # counted before any deep validation
         try:
-            return self.request_model.model_validate(data)
+            req = self.request_model.model_validate(data)
         except ValidationError as exc:  # 400, as vLLM answers a request its models refuse
-            raise GatewayError(400, format_validation_error(exc), param=first_error_loc(exc)) from None
+            raise GatewayError(400, format_validation_error(exc, max_errors=MAX_LISTED_ERRORS),
+                               param=first_error_loc(exc)) from None
+        check_choices(req, self.settings.max_request_choices)
+        return req
 
     async def check_admission(self, model: str) -> None:
         """429 while the model's queue holds ``max_queue_depth`` jobs no worker has taken."""
@@ -189,7 +194,8 @@ class OpenAIServing:
         try:
             jobs = req.to_jobs(job_ids)
         except ValidationError as exc:
-            raise GatewayError(400, format_validation_error(exc), param=req.param_of(first_error_loc(exc))) from None
+            raise GatewayError(400, format_validation_error(exc, max_errors=MAX_LISTED_ERRORS),
+                               param=req.param_of(first_error_loc(exc))) from None
         tenant = getattr(request.state, "tenant", None)  # set by the routers' auth dependency
         if tenant is not None:
             for job in jobs:
@@ -204,10 +210,13 @@ class OpenAIServing:
         # the tenant's limits, all counted at once before anything is queued (429 past one)
         slot = await self.state.admission.admit(owner, jobs, context_len if isinstance(context_len, int) else None,
                                                 stream=bool(req.stream))
+        queued: list[str] = []
         try:
             for job in jobs:
                 await self.producer.submit(job, queue_unserved=True)  # the model was checked just above
-        except BaseException:  # none or some queued: what was not stops counting now, the rest when it ends
+                queued.append(job.job_id)
+        except BaseException:  # the request's jobs are one unit: those already queued are cancelled
+            await asyncio.shield(self._cancel_all(queued))
             await self.state.admission.release(owner, [j.job_id for j in jobs])
             if slot is not None:
                 await self.state.admission.drop_stream(slot)
@@ -229,6 +238,11 @@ class OpenAIServing:
             self.metrics.vllm.observe_result(req.model, result, n=req.n, max_tokens=jobs[0].sampling.max_tokens,
                                              arrived=arrived, finished=done)
         return JSONResponse(await self.answer(req, rid, created, results))
+
+    async def _cancel_all(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            with contextlib.suppress(Exception):
+                await self.producer.cancel(job_id)
 
     async def check_context(self, model: str, jobs: list[JobRequest]) -> None:
         """400 before anything is queued for a prompt that, with ``max_tokens``, does not fit the model's

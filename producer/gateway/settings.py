@@ -32,6 +32,9 @@ class GatewaySettings(BaseSettings):
     tenant_limits_file: Path | None = None  # the same mapping as a JSON file, its entries over tenant_limits'
     max_queue_depth: int | None = Field(None, ge=1)  # jobs of one model waiting for a worker; past it: 429
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # completions one request may ask for: its prompts times n (each prompt is a job of n samples); past
+    # it a 400 naming both numbers, before a single job is queued
+    max_request_choices: int = Field(256, ge=1)
     request_timeout_s: float = Field(600.0, gt=0)  # a job not finished by then is cancelled, 504
     # a stream whose client left: its job is cancelled unless a client resumes it (GET /v1/streams) within
     # this many seconds; 0: at once

@@ -516,7 +516,10 @@ class DeadLetter(BaseModel):
 def format_validation_error(exc: Any, *, prefix: str = "", max_errors: int | None = None) -> str:
     """A pydantic ValidationError on one line: ``field: what is wrong; ...`` (fields under ``prefix``)."""
     parts = []
-    for err in exc.errors()[:max_errors]:
+    errors = exc.errors()
+    for err in errors[:max_errors]:
         loc = ".".join([prefix] * bool(prefix) + [str(x) for x in err.get("loc", ()) if x != "__root__"]) or "job"
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    if max_errors is not None and len(errors) > max_errors:
+        parts.append(f"and {len(errors) - max_errors} more error(s)")
     return "; ".join(parts)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from pagestream.producer.protocol.grammar_check import check_spec
 from pagestream.producer.protocol.limits import job_limits
 from pagestream.producer.protocol.untrusted import UntrustedJSONError, check_json_tree
 
@@ -32,6 +34,15 @@ GUIDED_REPLACEMENTS = {
     "guided_decoding_backend": "nothing (pagestream compiles with xgrammar)",
     "guided_whitespace_pattern": "structured_outputs.disable_any_whitespace",
 }
+
+
+def removed_guided(get: Callable[[str], Any]) -> tuple[str, str] | None:
+    """The first of vLLM's removed ``guided_*`` fields that ``get(name)`` finds set: its name and the
+    message that names its replacement (the gateway's 400 and a batch line's error say the same)."""
+    for name, replacement in GUIDED_REPLACEMENTS.items():
+        if get(name) is not None:
+            return name, f"{name} was removed (as in vLLM); use {replacement}"
+    return None
 
 
 def check_json_schema(schema: Any, where: str) -> None:
@@ -65,6 +76,7 @@ def checked_schema(v: Any, where: str) -> Any:
             raise ValueError(f"{where}: {exc} (at most {MAX_SCHEMA_DEPTH} levels)") from None
     if v is not None:
         check_json_schema(v, where)
+        check_spec("json", v, where)
     return v
 
 
@@ -97,6 +109,7 @@ class StructuredOutputs(BaseModel):
                 re.compile(v)
             except re.error as exc:
                 raise ValueError(f"structured_outputs.regex is not a valid regular expression: {exc}") from None
+            check_spec("regex", v, "structured_outputs.regex")
         return v
 
     @field_validator("choice")
@@ -104,6 +117,7 @@ class StructuredOutputs(BaseModel):
     def _choice(cls, v: list[str] | None) -> list[str] | None:
         if v is not None and not v:
             raise ValueError("structured_outputs.choice must hold at least one string")
+        check_spec("choice", v, "structured_outputs.choice")
         return v
 
     @field_validator("grammar")
@@ -111,6 +125,7 @@ class StructuredOutputs(BaseModel):
     def _grammar(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():
             raise ValueError("structured_outputs.grammar must not be empty")
+        check_spec("grammar", v, "structured_outputs.grammar")
         return v
 
     @model_validator(mode="after")

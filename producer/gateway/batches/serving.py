@@ -20,7 +20,7 @@ from starlette.datastructures import UploadFile
 
 from pagestream.producer.bulk.batches import FileStore, cancel_batch, create_batch, get_batch, list_batches, new_batch_id
 from pagestream.producer.gateway.errors import GatewayError
-from pagestream.producer.gateway.protocol import first_error_loc
+from pagestream.producer.gateway.protocol import MAX_LISTED_ERRORS, first_error_loc
 from pagestream.producer.gateway.state import GatewayState
 from pagestream.producer.protocol.redis_conn import connect
 from pagestream.producer.protocol.schema import format_validation_error
@@ -165,7 +165,7 @@ class OpenAIServingBatches:
         try:
             body = BatchCreate.model_validate(data)
         except ValidationError as exc:
-            raise GatewayError(422, format_validation_error(exc), param=first_error_loc(exc)) from None
+            raise GatewayError(422, format_validation_error(exc, max_errors=MAX_LISTED_ERRORS), param=first_error_loc(exc)) from None
         bulk_id = new_batch_id()
         counted = await self.state.admission.admit_bulk(tenant.name, bulk_id)  # 429 past max_open_batches
         try:

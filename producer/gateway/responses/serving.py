@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from pagestream.producer.gateway.chat.serving import OpenAIServingChat
 from pagestream.producer.gateway.errors import GatewayError
 from pagestream.producer.gateway.limits import StreamSlot
-from pagestream.producer.gateway.protocol import first_error_loc
+from pagestream.producer.gateway.protocol import MAX_LISTED_ERRORS, first_error_loc
 from pagestream.producer.gateway.responses.protocol import (ResponsesChatRequest, ResponsesRequest, function_call_item,
                                                             message_item, response_object, text_part)
 from pagestream.producer.gateway.serving import sse
@@ -83,7 +83,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         try:
             rreq = ResponsesRequest.model_validate(data)
         except ValidationError as exc:
-            raise GatewayError(400, format_validation_error(exc), param=first_error_loc(exc)) from None
+            raise GatewayError(400, format_validation_error(exc, max_errors=MAX_LISTED_ERRORS), param=first_error_loc(exc)) from None
         history: list[dict[str, Any]] = []
         if rreq.previous_response_id is not None:
             previous = await self.store.get(rreq.previous_response_id, getattr(request.state, "tenant", None))
@@ -97,7 +97,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             param = first_error_loc(exc)
             if param is not None and param.startswith("tools."):
                 param = param.replace(".function.", ".", 1)
-            raise GatewayError(400, format_validation_error(exc), param=param) from None
+            raise GatewayError(400, format_validation_error(exc, max_errors=MAX_LISTED_ERRORS), param=param) from None
         except RequestError as exc:
             raise GatewayError(400, exc.message, param=exc.param, code=exc.code) from None
         return await self.serve(request, data, req)

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from pagestream.producer.gateway.errors import GatewayError
-from pagestream.producer.gateway.protocol import first_error_loc
+from pagestream.producer.gateway.protocol import MAX_LISTED_ERRORS, first_error_loc
 from pagestream.producer.gateway.state import GatewayState
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.openai import ChatMessageIn
@@ -54,7 +54,7 @@ def _parse(cls: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
-        raise GatewayError(400, format_validation_error(exc), param=first_error_loc(exc)) from None
+        raise GatewayError(400, format_validation_error(exc, max_errors=MAX_LISTED_ERRORS), param=first_error_loc(exc)) from None
 
 
 class OpenAIServingTokenization:
