@@ -125,6 +125,14 @@ class EngineConfig:
     # GPUs one engine spans (one process each; rank 0 is this process): weights, KV heads and
     # vocabulary split across them. On the CPU the same code runs over gloo with as many processes.
     tensor_parallel_size: int = knob(1, "GPUs one engine spans, one process each")
+    # The host CPU time a structured-output request's matchers may take (issue 37): an ambiguous grammar's
+    # mask can cost 300 ms a step and slow every neighbour; over a bound, the request ends with an error.
+    # A JSON schema's matcher takes ~0.01-0.1 ms per token on SmolLM2's vocabulary: 50 ms a step is a
+    # request that by itself doubles a full decode step, 10 s is ~100k such tokens' worth.
+    grammar_step_limit_ms: float = knob(50.0, "host time one sequence's structured-output grammar may take in "
+                                        "one step before its request ends with an error (0: no limit)")
+    grammar_request_limit_s: float = knob(10.0, "host time a request's structured-output grammar may take in "
+                                          "all before it ends with an error (0: no limit)")
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # filled in __post_init__
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -159,6 +167,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be in [2, {model_max}] for this model, got {self.max_model_len}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        for name in ("grammar_step_limit_ms", "grammar_request_limit_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0 (0: no limit), got {value!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \

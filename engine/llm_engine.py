@@ -157,7 +157,9 @@ class EngineCore:
 
             self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
                                                        stop_token_ids=sorted(self.eos_token_ids),
-                                                       pin_memory=self.runner.device.type == "cuda")
+                                                       pin_memory=self.runner.device.type == "cuda",
+                                                       step_budget_s=self.config.grammar_step_limit_ms / 1e3,
+                                                       request_budget_s=self.config.grammar_request_limit_s)
             self.runner.grammar_rows = self._grammar_rows
         return self._structured
 
@@ -169,8 +171,12 @@ class EngineCore:
         Called by the runner with this step's forward pass queued: waiting for ``prev`` here lets the
         device run it meanwhile (asynchronous scheduling stays on). A sequence ``prev`` ended (EOS,
         grammar terminated, stop) still has a row this step; its matcher is terminated, so the row is
-        left unconstrained, and the token is dropped when ``prev`` is read."""
+        left unconstrained, and the token is dropped when ``prev`` is read.
+
+        A request whose grammar went over its budget gets no more matcher work: its row is left
+        unconstrained and ``step()`` ends it right after this launch, so that token is never read."""
         manager = self._structured
+        over_budget = manager.over_budget
         rows = None
         pending = None
         for i, seq in enumerate(seqs):
@@ -181,12 +187,16 @@ class EngineCore:
                 if prev is not None:
                     # also orders this fill after the copy of the last mask (its buffer is reused)
                     pending = prev.result().token_ids
+            if over_budget and seq.request_id in over_budget:
+                continue
             g = manager.grammar(seq.seq_id, seq.request_id)
             out = seq.token_ids[seq.num_prompt_tokens:]
             if seq.num_pending_tokens and pending is not None and seq in prev.rows:
                 out.append(pending[prev.rows[seq]])
             if g.num_processed_tokens != len(out) or (out and g.accepted[-1] != out[-1]):
                 if not g.advance_to(out):
+                    if seq.request_id in over_budget:
+                        continue
                     logger.warning("request %s: output tokens do not conform to its grammar", seq.request_id)
             rows[i] = None if g.is_terminated() else g
         if rows is None:
@@ -212,6 +222,23 @@ class EngineCore:
             for seq in req.seqs:
                 self.scheduler.add(seq)
         return failed
+
+    def _end_over_budget(self) -> list[RequestDelta]:
+        """End the requests whose grammar went over its budget (``StructuredOutputManager.over_budget``)
+        with its error, as a grammar that cannot compile ends its request: blocks freed, samples 'abort'."""
+        over_budget = self._structured.over_budget
+        ended = []
+        for rid, error in list(over_budget.items()):
+            req = self._requests.get(rid)
+            if req is None:  # finished meanwhile (its last token was read)
+                del over_budget[rid]
+                continue
+            logger.warning("request %s: %s", rid, error)
+            for seq in req.seqs:
+                self.scheduler.finish(seq, "abort")
+            ended.append(self._ended(req, error))
+            self._forget(req)
+        return ended
 
     @staticmethod
     def _ended(req: _CoreRequest, error: str) -> RequestDelta:
@@ -277,6 +304,9 @@ class EngineCore:
         sampling reads the host's token history), step N is read before N+1 is planned.
         """
         outputs: list[RequestDelta | TokenBatch] = []
+        structured = self._structured
+        if structured is not None:
+            structured.begin_step()
         if self._awaiting_grammar:
             outputs += self._admit_compiled()
         prev = self._in_flight
@@ -284,12 +314,18 @@ class EngineCore:
         if prev is not None and (not self.config.async_scheduling or self._num_history_requests):
             outputs += self._read_tokens(prev)
             prev = None
+        # a grammar over its budget (found reading tokens, or filling the mask below) ends its request
+        # before its sequences are scheduled again
+        if structured is not None and structured.over_budget:
+            outputs += self._end_over_budget()
         sched = self.scheduler.schedule()
         if sched.left:
             self.runner.release_rows(sched.left)
         if not sched.is_empty:
             self._in_flight = self.runner.execute(sched, prev)
             self.scheduler.update_from_output(sched)
+        if structured is not None and structured.over_budget:
+            outputs += self._end_over_budget()
         if prev is not None:
             outputs += self._read_tokens(prev)
         return outputs
@@ -381,6 +417,8 @@ class EngineCore:
     def _grammar_terminated(self, seq: Sequence, token: int) -> bool:
         """The grammar took ``token`` as its end (a stop token after a complete match): the request is done
         whatever ignore_eos says, since nothing more can follow."""
+        if seq.request_id in self._structured.over_budget:
+            return False  # no more matcher work: the request ends with its error this step
         g = self._structured.grammar(seq.seq_id, seq.request_id)
         out = seq.token_ids[seq.num_prompt_tokens:]
         if g.num_processed_tokens == len(out) - 1 and g.accept_tokens([token]):

@@ -4,9 +4,18 @@ any other back), keep one matcher per sequence (each of ``n`` samples walks the 
 its own) and build a step's bitmask for the rows that are constrained.
 
 Nothing here runs on the device: ``fill_bitmask`` writes a host tensor the sampler applies.
+
+The matchers' work is bounded per request (issue 37): an ambiguous grammar (``a ::= a a a | a a | "x" |
+""``) makes xgrammar's Earley parser cost more per token as the output grows (0.1 ms to 315 ms by token
+200), and the step's host work is every neighbour's wait. Each matcher call's thread CPU time (not wall
+time: a host under load or a throttled container must not end requests) is charged to its sequence's
+step and to its request's total; a request over ``step_budget_s`` (one sequence's work in one step) or
+``request_budget_s`` (all its sequences' work) is listed in ``over_budget`` with the message it ends with,
+and the engine ends it (the same path as a grammar that cannot compile). 0 turns a bound off.
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -33,7 +42,7 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, stop_token_ids: list[int] | None = None,
                  max_threads: int = 4, cache_size: int = 256, compile_timeout_s: float = 60.0,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, step_budget_s: float = 0.05, request_budget_s: float = 10.0) -> None:
         self._backend_args = dict(stop_token_ids=stop_token_ids, max_threads=max_threads, cache_size=cache_size,
                                   compile_timeout_s=compile_timeout_s)
         self._tokenizer = tokenizer
@@ -46,6 +55,15 @@ class StructuredOutputManager:
         # pinned on CUDA: the copy to the device is then truly asynchronous (from pageable memory the
         # driver may wait for the stream, i.e. for the forward pass the mask was filled beside)
         self._pin_memory = pin_memory
+        # the budget of the matchers' work (see the module's doc)
+        self.step_budget_s = step_budget_s
+        self.request_budget_s = request_budget_s
+        self._step = 0  # begin_step() counts the engine's steps: a sequence's work within one is summed
+        self._step_spent: dict[str, tuple[int, float]] = {}  # seq_id -> (step, seconds in it)
+        self._request_spent: dict[str, float] = {}  # request_id -> seconds, all its sequences
+        self.over_budget: dict[str, str] = {}  # request_id -> the error it ends with
+        self._grammar_s = 0.0
+        self._budget_errors = 0
 
     @property
     def backend(self) -> XgrammarBackend:
@@ -85,15 +103,51 @@ class StructuredOutputManager:
             compiled = self._compiled.get(request_id)
             if compiled is None:
                 raise RuntimeError(f"request {request_id!r}: grammar used before is_ready() said so")
-            g = self._grammars[seq_id] = StructuredOutputGrammar(self.backend.matcher(compiled), self.vocab_size)
+            g = self._grammars[seq_id] = StructuredOutputGrammar(
+                self.backend.matcher(compiled), self.vocab_size, functools.partial(self._charge, seq_id, request_id))
         return g
 
     def free_sequence(self, seq_id: str) -> None:
         self._grammars.pop(seq_id, None)
+        self._step_spent.pop(seq_id, None)
 
     def free_request(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
         self._compiled.pop(request_id, None)
+        self._request_spent.pop(request_id, None)
+        self.over_budget.pop(request_id, None)
+
+    # ---- the budget ------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """A new engine step: each sequence's per-step account starts again."""
+        self._step += 1
+
+    def _charge(self, seq_id: str, request_id: str, seconds: float, own_step: bool) -> bool:
+        """Add one matcher call's time to its sequence's step and its request's total; False once the
+        request is over a bound (then ``over_budget[request_id]`` says which)."""
+        self._grammar_s += seconds
+        total = self._request_spent.get(request_id, 0.0) + seconds
+        self._request_spent[request_id] = total
+        if own_step:  # a token of a catch-up: one step's worth of work on its own
+            step_s = seconds
+        else:
+            step, before = self._step_spent.get(seq_id, (-1, 0.0))
+            step_s = before + seconds if step == self._step else seconds
+            self._step_spent[seq_id] = (self._step, step_s)
+        if request_id in self.over_budget:
+            return False
+        if self.step_budget_s and step_s > self.step_budget_s:
+            error = (f"structured output grammar took {step_s * 1e3:.0f} ms in one step "
+                     f"(limit {self.step_budget_s * 1e3:g} ms): the constraint is too costly to follow")
+        elif self.request_budget_s and total > self.request_budget_s:
+            error = (f"structured output grammar took {total:.1f} s in all "
+                     f"(limit {self.request_budget_s:g} s): the constraint is too costly to follow")
+        else:
+            return True
+        self.over_budget[request_id] = error
+        self._budget_errors += 1
+        return False
 
     # ---- the step's mask -------------------------------------------------------------------------
 
@@ -121,6 +175,8 @@ class StructuredOutputManager:
             "structured_cache_hits": s.cache_hits if s else 0,
             "structured_compile_errors": s.compile_errors if s else 0,
             "structured_compile_s": s.compile_s if s else 0.0,
+            "structured_grammar_s": self._grammar_s,  # the matchers' host CPU time, all requests
+            "structured_budget_errors": self._budget_errors,  # requests ended over their budget
         }
 
     def shutdown(self) -> None:
