@@ -27,6 +27,8 @@ from pathlib import Path
 import httpx
 import redis
 
+from pagestream.producer.protocol import keys
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -107,7 +109,7 @@ def main() -> None:
                 time.sleep(0.2)
             time.sleep(1.0)
             idle = rss_mib(gateway.pid)
-            jobs_before = sum(1 for _ in r.scan_iter(match="ps:job:*", count=1000))
+            jobs_before = sum(1 for _ in r.scan_iter(match=keys.job_hash("*"), count=1000))
             q: mp.Queue = mp.Queue()
             clients = [mp.Process(target=flood, args=(base, model, args.seconds, q)) for _ in range(args.clients)]
             for p in clients:
@@ -126,7 +128,7 @@ def main() -> None:
                 p.join()
             time.sleep(1.0)
             after = rss_mib(gateway.pid)
-        jobs_after = sum(1 for _ in r.scan_iter(match="ps:job:*", count=1000))
+        jobs_after = sum(1 for _ in r.scan_iter(match=keys.job_hash("*"), count=1000))
         lat = sorted(latencies)
         pct = {f"p{q}": round(lat[min(len(lat) - 1, int(len(lat) * q / 100))], 2) for q in (50, 90, 99)}
         result = {
