@@ -1,7 +1,9 @@
 """Shared fixtures: real model files written with save_pretrained, a real Redis server.
 
 Each developer running tests at the same time as another picks a Redis db with
-PAGESTREAM_TEST_REDIS_DB so the per-test FLUSHDB of one never hits the other.
+PAGESTREAM_TEST_REDIS_DB so the per-test FLUSHDB of one never hits the other. Under
+pytest-xdist (`make test` runs `-n`), worker gwN takes that db + N, so workers never share
+one; ports are free ones and temp dirs pytest's own, per worker.
 
 A test marked ``also_on_cluster`` runs twice: on that single node (``[single]``) and on a
 real 3-master Redis Cluster started once per session from ``redis-server`` on free
@@ -13,6 +15,13 @@ from __future__ import annotations
 import os
 
 import pytest
+
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+# set before anything reads it (subprocesses inherit it), once: `tests.conftest` may load a second copy
+if _XDIST_WORKER.startswith("gw") and os.environ.get("PAGESTREAM_TEST_XDIST_DB") != _XDIST_WORKER:
+    os.environ["PAGESTREAM_TEST_REDIS_DB"] = str(int(os.environ.get("PAGESTREAM_TEST_REDIS_DB", "9"))
+                                                 + int(_XDIST_WORKER[2:]))
+    os.environ["PAGESTREAM_TEST_XDIST_DB"] = _XDIST_WORKER
 
 # Without a GPU the Triton kernels run in the interpreter. It must be chosen before
 # anything imports triton (triton builds its own @jit helpers at first import).
