@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,60 @@ class GatewayProc:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+
+
+class ServeProc:
+    """``pagestream serve MODEL`` as a process on a free port, in a session of its own: a stop that overruns
+    kills the whole group (worker and bulk-worker too) and fails the test with the log, so no child is
+    left consuming the test db for the tests after it."""
+
+    def __init__(self, model, *args: str, log_dir: Path, redis_url: str | None = DB_URL, env: dict | None = None) -> None:
+        """``redis_url=None``: serve starts its embedded Redis; an ``env`` value of None unsets that variable."""
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.log_path = log_dir / f"serve-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "pagestream.worker.cli", "serve", str(model), "--port", str(self.port), "--device", "cpu", *args]
+        if redis_url is not None:
+            cmd += ["--redis-url", redis_url]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}  # None: unset
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={k: v for k, v in full_env.items() if v is not None})
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
+
+    def healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"serve exited:\n{self.log()}")
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        wait_for(self.healthy, timeout, "pagestream serve's /health", interval=0.3)
+
+    def stop(self, timeout: float = 120.0) -> int:
+        """SIGTERM, as a supervisor stops it; its exit status. Past ``timeout`` the group is killed and the
+        test fails: a serve that does not stop on SIGTERM is a bug a user would see."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    return self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait(10)
+                    raise AssertionError(f"serve did not stop within {timeout}s of SIGTERM:\n{self.log()[-4000:]}") from None
+            return self.proc.returncode
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # anything of its group still there
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self._log.close()
 
 
 def openai_client(gw: "GatewayProc", key: str = "none", timeout: float = 120):

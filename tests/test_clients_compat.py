@@ -21,10 +21,7 @@ os.environ.setdefault("LITELLM_TELEMETRY", "False")
 os.environ.setdefault("LANGSMITH_TRACING", "false")
 os.environ.setdefault("LANGCHAIN_TRACING_V2", "false")
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
-import httpx  # noqa: E402
 import pytest  # noqa: E402
 import redis  # noqa: E402
 
@@ -32,11 +29,11 @@ litellm = pytest.importorskip("litellm")
 langchain_openai = pytest.importorskip("langchain_openai")
 from pydantic import BaseModel  # noqa: E402
 
-from gateway_helpers import DB_URL  # noqa: E402
+from gateway_helpers import DB_URL, ServeProc  # noqa: E402
 from pagestream.producer import Producer  # noqa: E402
 from pagestream.worker.fake_engine import FakeTokenizer  # noqa: E402
 from private_redis import free_port  # noqa: E402
-from queue_helpers import ROOT, WorkerProc, wait_for  # noqa: E402
+from queue_helpers import WorkerProc, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               # LiteLLM's own pydantic models warn at import (ReadOnly TypedDicts, deprecated attribute access)
@@ -58,34 +55,17 @@ def base_url(smollm2_dir, tmp_path_factory):
     r = redis.Redis.from_url(DB_URL)
     r.flushdb()
     log_dir = tmp_path_factory.mktemp("clients")
-    port = free_port()
-    log = open(log_dir / "serve.log", "w")
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "pagestream.worker.cli", "serve", "--model", str(smollm2_dir), "--served-model-name", SMOL,
-         "--redis-url", DB_URL, "--port", str(port), "--device", "cpu", "--max-num-seqs", "4", "--no-bulk-worker"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-             "PAGESTREAM_GATEWAY_FILES_URI": str(log_dir / "files"), "PAGESTREAM_METRICS_PORT": str(free_port())})
+    serve = ServeProc(smollm2_dir, "--served-model-name", SMOL, "--max-num-seqs", "4", "--no-bulk-worker", log_dir=log_dir,
+                      env={"PAGESTREAM_GATEWAY_FILES_URI": str(log_dir / "files"), "PAGESTREAM_METRICS_PORT": str(free_port())})
     fake = WorkerProc(DB_URL, "fake:1", "clients-fake", "--served-model-name", FAKE, log_dir=log_dir)
-
-    def up() -> bool:
-        if serve.poll() is not None:
-            raise RuntimeError(f"serve exited:\n{(log_dir / 'serve.log').read_text()}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     try:
         fake.wait_ready()
-        wait_for(up, 300, "pagestream serve", interval=0.3)
+        serve.wait_ready()
         wait_for(lambda: {SMOL, FAKE} <= set(Producer(r).live_models()), 60, "both models announced")
-        yield f"http://127.0.0.1:{port}/v1"
+        yield serve.base_url
     finally:
-        serve.terminate()
         fake.stop()
-        serve.wait(90)
-        log.close()
+        serve.stop()
         r.flushdb()
         r.close()
 

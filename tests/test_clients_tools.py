@@ -20,12 +20,9 @@ os.environ.setdefault("LITELLM_TELEMETRY", "False")
 os.environ.setdefault("LANGSMITH_TRACING", "false")
 os.environ.setdefault("LANGCHAIN_TRACING_V2", "false")
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Literal  # noqa: E402
 
-import httpx  # noqa: E402
 import jsonschema  # noqa: E402
 import pytest  # noqa: E402
 import redis  # noqa: E402
@@ -34,10 +31,10 @@ litellm = pytest.importorskip("litellm")
 langchain_openai = pytest.importorskip("langchain_openai")
 from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402
 
-from gateway_helpers import DB_URL  # noqa: E402
+from gateway_helpers import DB_URL, ServeProc  # noqa: E402
 from pagestream.producer import Producer  # noqa: E402
 from private_redis import free_port  # noqa: E402
-from queue_helpers import ROOT, wait_for  # noqa: E402
+from queue_helpers import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:.*ReadOnly:UserWarning"),
@@ -70,32 +67,15 @@ def base_url(smollm2_dir, tmp_path_factory):
         if f.name != "chat_template.jinja":
             (model_dir / f.name).symlink_to(f)
     (model_dir / "chat_template.jinja").write_text((Path(__file__).parent / "qwen2_tool_template.jinja").read_text())
-    port = free_port()
-    log = open(log_dir / "serve.log", "w")
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "pagestream.worker.cli", "serve", "--model", str(model_dir), "--served-model-name", MODEL,
-         "--redis-url", DB_URL, "--port", str(port), "--device", "cpu", "--max-num-seqs", "4", "--max-model-len", "2048",
-         "--no-bulk-worker", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-             "PAGESTREAM_GATEWAY_FILES_URI": str(log_dir / "files"), "PAGESTREAM_METRICS_PORT": str(free_port())})
-
-    def up() -> bool:
-        if serve.poll() is not None:
-            raise RuntimeError(f"serve exited:\n{(log_dir / 'serve.log').read_text()}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+    serve = ServeProc(model_dir, "--served-model-name", MODEL, "--max-num-seqs", "4", "--max-model-len", "2048",
+                      "--no-bulk-worker", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", log_dir=log_dir,
+                      env={"PAGESTREAM_GATEWAY_FILES_URI": str(log_dir / "files"), "PAGESTREAM_METRICS_PORT": str(free_port())})
     try:
-        wait_for(up, 300, "pagestream serve", interval=0.3)
+        serve.wait_ready()
         wait_for(lambda: MODEL in Producer(r).live_models(), 60, "the model announced")
-        yield f"http://127.0.0.1:{port}/v1"
+        yield serve.base_url
     finally:
-        serve.terminate()
-        serve.wait(90)
-        log.close()
+        serve.stop()
         r.flushdb()
         r.close()
 

@@ -3,10 +3,7 @@ its text and logprobs equal ``LLM.generate`` / ``LLM.chat`` with the same seed, 
 away mid-stream has its KV blocks back in the free pool within a step (SmolLM2-135M on the CPU)."""
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagestream.producer import JobResult
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.wire import decode_out_entry
+from gateway_helpers import ServeProc
 from private_redis import free_port
-from queue_helpers import ROOT, wait_for
+from queue_helpers import wait_for
 from test_gateway import DB_URL
 
 pytestmark = pytest.mark.slow
@@ -37,30 +35,13 @@ def metrics_port() -> int:
 def served(smollm2_dir, tmp_path_factory, metrics_port):
     r = redis.Redis.from_url(DB_URL)
     r.flushdb()
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagestream.worker.cli", "serve", "--model", str(smollm2_dir), "--served-model-name", "smollm2",
-         "--redis-url", DB_URL, "--port", str(port), "--device", "cpu", "--max-num-seqs", "4"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PAGESTREAM_METRICS_PORT": str(metrics_port)},
-    )
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited:\n{log_path.read_text()}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+    serve = ServeProc(smollm2_dir, "--served-model-name", "smollm2", "--max-num-seqs", "4", log_dir=tmp_path_factory.mktemp("serve"),
+                      env={"PAGESTREAM_METRICS_PORT": str(metrics_port)})
     try:
-        wait_for(up, 300, "pagestream serve", interval=0.5)
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+        serve.wait_ready()
+        yield openai.OpenAI(base_url=serve.base_url, api_key="unused", max_retries=0, timeout=600)
     finally:
-        proc.terminate()
-        proc.wait(90)
-        log.close()
+        serve.stop()
         r.flushdb()
 
 

@@ -3,21 +3,17 @@ worker's tokenizer through Redis: a real Redis, gateway processes and a worker r
 tokenizer the tests reproduce in-process); one slow test compares SmolLM2's answers with transformers'."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 import redis
 
-from gateway_helpers import DB_URL, GatewayProc
+from gateway_helpers import DB_URL, GatewayProc, ServeProc
 from pagestream.producer import Producer
 from pagestream.worker.fake_engine import FakeTokenizer
 from pagestream.worker.routing import announce
-from private_redis import free_port
-from queue_helpers import ROOT, WorkerProc, wait_for
+from queue_helpers import WorkerProc, wait_for
 
 MODEL = "fake-tokenize"
 GHOST = "ghost-model"  # announced, but no worker answers its tokenizer calls
@@ -145,24 +141,10 @@ def test_smollm2_tokenize_and_detokenize_equal_transformers_tokenizer(smollm2_di
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(smollm2_dir)
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagestream.worker.cli", "serve", "--model", str(smollm2_dir), "--served-model-name", "smollm2",
-         "--redis-url", DB_URL, "--port", str(port), "--device", "cpu", "--max-num-seqs", "2"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    serve = ServeProc(smollm2_dir, "--served-model-name", "smollm2", "--max-num-seqs", "2", log_dir=tmp_path)
     try:
-        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError("serve exited")
-            try:
-                return http.post("/tokenize", json={"model": "smollm2", "prompt": "x"}).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(up, 300, "pagestream serve's /tokenize", interval=0.5)
+        http = httpx.Client(base_url=f"http://127.0.0.1:{serve.port}", timeout=60)
+        serve.wait_ready()
         prompt = "Paged attention keeps the KV cache in blocks, déjà vu!"
         got = http.post("/tokenize", json={"model": "smollm2", "prompt": prompt, "return_token_strs": True}).json()
         ids = hf.encode(prompt, add_special_tokens=True)
@@ -176,7 +158,6 @@ def test_smollm2_tokenize_and_detokenize_equal_transformers_tokenizer(smollm2_di
 
         back = http.post("/detokenize", json={"model": "smollm2", "tokens": ids}).json()
         assert back == {"prompt": hf.decode(ids)}
+        http.close()
     finally:
-        proc.terminate()
-        proc.wait(90)
-        log.close()
+        assert serve.stop() == 0, serve.log()[-3000:]

@@ -14,16 +14,11 @@ compared with lm-eval's ``hf`` backend (greedy HF transformers) on the same mode
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-import httpx
 import pytest
 import redis
 
-from private_redis import free_port
-from queue_helpers import ROOT, wait_for
+from gateway_helpers import ServeProc
 from test_gateway import DB_URL
 
 pytestmark = pytest.mark.slow
@@ -122,33 +117,16 @@ def serve(smollm2_dir, tmp_path_factory):
     """``pagestream serve`` starting; call the fixture's value to wait until it answers (its /v1 URL)."""
     r = redis.Redis.from_url(DB_URL)
     r.flushdb()
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagestream.worker.cli", "serve", "--model", str(smollm2_dir), "--served-model-name",
-         "smollm2", "--redis-url", DB_URL, "--port", str(port), "--device", "cpu", "--max-num-seqs", "4"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-    )
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited:\n{log_path.read_text()}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
+    serve = ServeProc(smollm2_dir, "--served-model-name", "smollm2", "--max-num-seqs", "4", log_dir=tmp_path_factory.mktemp("serve"))
 
     def ready() -> str:
-        wait_for(up, 300, "pagestream serve", interval=0.5)
-        return f"http://127.0.0.1:{port}/v1"
+        serve.wait_ready()
+        return serve.base_url
 
     try:
         yield ready
     finally:
-        proc.terminate()
-        proc.wait(90)
-        log.close()
+        serve.stop()
         r.flushdb()
 
 

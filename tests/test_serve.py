@@ -10,11 +10,7 @@ announcement), checked against a real Redis.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -27,8 +23,8 @@ from pagestream.engine.config import engine_knobs
 from pagestream.producer.protocol import keys
 from pagestream.worker import cli
 from pagestream.worker.readiness import worker_ready
-from private_redis import free_port
-from queue_helpers import ROOT, wait_for
+from gateway_helpers import ServeProc
+from queue_helpers import wait_for
 from test_gateway import DB_URL
 
 #: worker flags that are about one worker's place in a fleet, not something ``serve`` lets a user choose
@@ -77,52 +73,41 @@ def test_readiness_is_the_workers_heartbeat_and_announcement_in_redis():
 
 @pytest.mark.slow
 def test_serve_model_alone_answers_chat_and_runs_a_batch_to_completed(smollm2_dir, tmp_path):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "PAGESTREAM_REDIS_URL")}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PAGESTREAM_GATEWAY_FILES_URI=str(tmp_path / "files"))
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pagestream.worker.cli", "serve", str(smollm2_dir), "--device", "cpu",
-                                 "--port", str(port), "--max-num-seqs", "4"],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            def up() -> bool:
-                if proc.poll() is not None:
-                    raise AssertionError(f"serve exited:\n{log_path.read_text()}")
-                return "ready" in log_path.read_text() and "files" in log_path.read_text()
+    serve = ServeProc(smollm2_dir, "--max-num-seqs", "4", log_dir=tmp_path, redis_url=None,
+                      env={"REDIS_URL": None, "PAGESTREAM_REDIS_URL": None, "PAGESTREAM_GATEWAY_FILES_URI": str(tmp_path / "files")})
+    try:
+        # the banner says ready only once the gateway listens: the first request after it is answered, never refused
+        wait_for(lambda: serve.proc.poll() is not None or "files  " in serve.log(), 600, "pagestream serve's banner", interval=0.2)
+        start = serve.log()
+        assert f"http://127.0.0.1:{serve.port}/v1" in start and "(embedded" in start and "bulk-worker  pid" in start
+        assert str(tmp_path / "files") in start
+        assert httpx.get(f"http://127.0.0.1:{serve.port}/health", timeout=10).status_code == 200
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{serve.port}/v1", api_key="unused", max_retries=0, timeout=600)
+        name = str(smollm2_dir)
+        assert [m.id for m in c.models.list()] == [name]
+        chat = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, seed=1)
+        assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
 
-            wait_for(up, 600, "pagestream serve", interval=0.5)
-            start = log_path.read_text()
-            assert f"http://127.0.0.1:{port}/v1" in start and "(embedded" in start and "bulk-worker  pid" in start
-            assert str(tmp_path / "files") in start
-            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
-            c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
-            name = str(smollm2_dir)
-            assert [m.id for m in c.models.list()] == [name]
-            chat = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, seed=1)
-            assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
-
-            lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-                      "body": {"model": name, "messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 6}}
-                     for i in range(3)]
-            (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-            with open(tmp_path / "in.jsonl", "rb") as f:
-                up_file = c.files.create(file=f, purpose="batch")
-            batch = c.batches.create(input_file_id=up_file.id, endpoint="/v1/chat/completions", completion_window="24h")
-            deadline = time.monotonic() + 300
-            while batch.status not in ("completed", "failed", "expired", "cancelled"):
-                assert time.monotonic() < deadline, f"batch stuck in {batch.status}:\n{log_path.read_text()[-3000:]}"
-                time.sleep(1)
-                batch = c.batches.retrieve(batch.id)
-            assert batch.status == "completed", batch
-            assert batch.request_counts.completed == 3 and batch.output_file_id
-            out = [json.loads(x) for x in c.files.content(batch.output_file_id).read().decode().splitlines()]
-            assert sorted(o["custom_id"] for o in out) == ["q0", "q1", "q2"]
-            assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["choices"][0]["message"]["content"] for o in out)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            rc = proc.wait(120)
-    text = log_path.read_text()
+        lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": name, "messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 6}}
+                 for i in range(3)]
+        (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        with open(tmp_path / "in.jsonl", "rb") as f:
+            up_file = c.files.create(file=f, purpose="batch")
+        batch = c.batches.create(input_file_id=up_file.id, endpoint="/v1/chat/completions", completion_window="24h")
+        deadline = time.monotonic() + 300
+        while batch.status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, f"batch stuck in {batch.status}:\n{serve.log()[-3000:]}"
+            time.sleep(1)
+            batch = c.batches.retrieve(batch.id)
+        assert batch.status == "completed", batch
+        assert batch.request_counts.completed == 3 and batch.output_file_id
+        out = [json.loads(x) for x in c.files.content(batch.output_file_id).read().decode().splitlines()]
+        assert sorted(o["custom_id"] for o in out) == ["q0", "q1", "q2"]
+        assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["choices"][0]["message"]["content"] for o in out)
+    finally:
+        rc = serve.stop()
+    text = serve.log()
     assert rc == 0, text[-3000:]
     assert "nanobind" not in text and "leaked" not in text, text[-3000:]
     assert "stopped after" in text  # the worker warm-stopped and said so

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO, Optional
 
@@ -57,15 +58,21 @@ def _forward(stream: IO[str], tag: str) -> threading.Thread:
     return t
 
 
-def _stop_child(proc: subprocess.Popen | None, timeout_s: float) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def _stop_children(children: list[tuple[str, subprocess.Popen | None, float]]) -> None:
+    """SIGTERM every child at once (each drains in parallel), then wait for each up to its own bound and
+    kill it past that: the whole stop takes the longest bound, not their sum."""
+    log = logging.getLogger("pagestream.serve")
+    running = [(name, proc, time.monotonic() + bound) for name, proc, bound in children if proc is not None and proc.poll() is None]
+    for name, proc, _ in running:
+        log.info("stopping the %s (pid %d)", name, proc.pid)
+        proc.send_signal(signal.SIGTERM)
+    for name, proc, deadline in running:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("the %s (pid %d) did not stop in time: killed", name, proc.pid)
+            proc.kill()
+            proc.wait()
 
 
 @with_engine_options(with_env=False)
@@ -144,20 +151,21 @@ def serve(
             typer.echo(f"error: the bulk-worker exited (status {bulk.returncode})", err=True)
             raise typer.Exit(1)
         device = (engine_options or {}).get("device") or "auto"
-        print("\n".join([
+        banner = "\n".join([
             f"pagestream serve: {name!r} ready",
             f"  gateway      http://{settings.host}:{settings.port}/v1 (OpenAI API: models, completions, chat, files, batches)",
             f"  redis        {redact_url(redis_url)}{' (embedded, stopped with serve)' if embedded is not None else ''}",
             f"  worker       pid {worker.pid}, consumer {consumer}, model {path} on {device}"
             + (f", metrics on :{metrics_port}/metrics" if metrics_port else ""),
-            f"  bulk-worker  " + (f"pid {bulk.pid} (runs /v1/batches)" if bulk is not None else "not started (--no-bulk-worker): batches wait for one"),
+            "  bulk-worker  " + (f"pid {bulk.pid} (runs /v1/batches)" if bulk is not None else "not started (--no-bulk-worker): batches wait for one"),
             f"  files        {settings.files_uri}",
-        ]), flush=True)
+        ])
         # uvicorn re-raises the SIGTERM it caught once it has shut down; as an exception (not the
         # default handler's instant exit) it lets the finally below stop the children and the Redis.
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-        run(settings)
+        # "ready" only once the gateway listens (its startup warms the grammar check first): a client that
+        # reads the banner and connects at once is answered, not refused
+        run(settings, on_started=lambda: print(banner, flush=True))
     finally:
-        _stop_child(worker, (drain_timeout or 30.0) + 30.0)
-        _stop_child(bulk, 30.0)
+        _stop_children([("worker", worker, (drain_timeout or 30.0) + 30.0), ("bulk-worker", bulk, 30.0)])
         _stop(embedded)

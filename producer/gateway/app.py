@@ -14,7 +14,11 @@ has its job cancelled (the worker aborts it within one step, freeing its KV bloc
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
+import time
 from contextlib import asynccontextmanager
+from typing import Callable
 
 from fastapi import Depends, FastAPI
 
@@ -114,10 +118,24 @@ def _http_protocol(header_timeout_s: float):
     return HeaderTimeoutH11Protocol
 
 
-def run(settings: GatewaySettings) -> None:
-    """Serve until interrupted (uvicorn's own signal handling), within the settings' connection bounds."""
+def run(settings: GatewaySettings, on_started: Callable[[], None] | None = None) -> None:
+    """Serve until interrupted (uvicorn's own signal handling), within the settings' connection bounds;
+    ``on_started`` runs (in a thread) once the app has started and the socket listens, not before."""
     import uvicorn
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-                http=_http_protocol(settings.header_timeout_s), timeout_keep_alive=settings.keep_alive_timeout_s,
-                limit_concurrency=settings.max_connections, h11_max_incomplete_event_size=settings.max_header_bytes)
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
+                            http=_http_protocol(settings.header_timeout_s), timeout_keep_alive=settings.keep_alive_timeout_s,
+                            limit_concurrency=settings.max_connections,
+                            h11_max_incomplete_event_size=settings.max_header_bytes)
+    server = uvicorn.Server(config)
+    if on_started is not None:
+        def announce() -> None:
+            while not server.started and not server.should_exit:
+                time.sleep(0.05)
+            if server.started:
+                on_started()
+
+        threading.Thread(target=announce, name="gateway-started", daemon=True).start()
+    server.run()
+    if not server.started:  # the app's startup or the bind failed (uvicorn said why): as uvicorn.run exits
+        sys.exit(3)
