@@ -219,14 +219,23 @@ def fixed(shape, n, in_len, out_len, device, args, ceil) -> dict:
     return res
 
 
+def lognormal_lengths(rng: random.Random, n: int, mu_in: float = 5.3, mu_out: float = 5.2,
+                      sigma: float = 0.9) -> tuple[list[int], list[int]]:
+    """ShareGPT-like request lengths: ``n`` input lengths, then ``n`` output lengths, each lognormal
+    (``exp(mu + sigma^2 / 2)`` on average: 294 in and 241 out at the defaults), inputs kept within
+    4..2048 tokens and outputs within 4..1024."""
+    lens_in = [min(2048, max(4, int(rng.lognormvariate(mu_in, sigma)))) for _ in range(n)]
+    lens_out = [min(1024, max(4, int(rng.lognormvariate(mu_out, sigma)))) for _ in range(n)]
+    return lens_in, lens_out
+
+
 def lognormal(shape, n, device, args, ceil) -> dict:
     from pagestream.engine import SamplingParams
 
     model_dir = model_dir_for(shape, device)
     vocab = SHAPES[shape]["vocab_size"]
     rng = random.Random(3)
-    lens_in = [min(2048, max(4, int(rng.lognormvariate(5.3, 0.9)))) for _ in range(n)]
-    lens_out = [min(1024, max(4, int(rng.lognormvariate(5.2, 0.9)))) for _ in range(n)]
+    lens_in, lens_out = lognormal_lengths(rng, n)
     prompts = [[rng.randrange(3, vocab) for _ in range(i)] for i in lens_in]
     from pagestream.engine.config import EngineConfig
 
