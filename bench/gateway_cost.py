@@ -45,7 +45,7 @@ import httpx
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tree_pair import (ROOT, RedisServer, cpu_s, describe, free_port, import_root, median, pct, product,  # noqa: E402
+from tree_pair import (ROOT, RedisServer, cpu_s, describe, free_port, import_root, median, product,  # noqa: E402
                        schedule, scratch_dir, stop)
 
 MODEL = "fake"
@@ -403,7 +403,7 @@ def main() -> None:
             v = s["against_over_tree"][k]
             row += f"{v:>14.3f}" if v is not None else f"{'-':>14}"
         print(row)
-    print(f"\ntrees: " + ", ".join(f"{r['label']}={r['commit']}" for r in res["runs"][:len(labels)]) + f"; JSON: {path}")
+    print("\ntrees: " + ", ".join(f"{r['label']}={r['commit']}" for r in res["runs"][:len(labels)]) + f"; JSON: {path}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,14 +19,9 @@ import time
 from pathlib import Path
 
 import redis
+from procs import free_port  # noqa: F401 (the benches import it from here too)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def import_root(tree: str | Path, scratch: Path) -> Path:
