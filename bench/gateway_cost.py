@@ -45,7 +45,7 @@ import httpx
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tree_pair import (ROOT, RedisServer, cpu_s, describe, free_port, import_root, median, product,  # noqa: E402
+from tree_pair import (ROOT, RedisServer, cpu_s, describe, wait_model_listed, free_port, import_root, median, product,  # noqa: E402
                        schedule, scratch_dir, stop)
 
 MODEL = "fake"
@@ -284,24 +284,6 @@ def load(base_url: str, stream: bool, tokens: int, n: int, concurrency: int, pro
     return out
 
 
-def wait_ready(base: str, procs: dict, logs: Path, timeout: float = 120) -> None:
-    """The gateway answers and lists the fake model (a worker announced it)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for name, proc in procs.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited: " + (logs / f"{name}.log").read_text()[-3000:])
-        try:
-            r = httpx.get(f"{base}/v1/models", timeout=2)
-            if r.status_code == 200 and any(m.get("id") == MODEL for m in r.json().get("data", [])):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("the gateway did not list the model: " + (logs / "gateway.log").read_text()[-3000:]
-                       + (logs / "worker.log").read_text()[-3000:])
-
-
 def run_tree(label: str, tree: str, args, scratch: Path) -> dict:
     logs = scratch / f"logs-{label}-{int(time.time() * 1000)}"
     logs.mkdir()
@@ -319,7 +301,7 @@ def run_tree(label: str, tree: str, args, scratch: Path) -> dict:
         gateway = product(root, ["gateway", "--redis-url", url, "--port", str(port), "--log-level", "WARNING"],
                           logs / "gateway.log", cwd=scratch)
         base = f"http://127.0.0.1:{port}"
-        wait_ready(base, {"worker": worker, "gateway": gateway}, logs)
+        wait_model_listed(base, MODEL, {"worker": worker, "gateway": gateway}, logs, timeout=120)
         # MONITOR only on a server of our own (on a shared one it would slow everyone's commands)
         meter = Meter(r, {"gateway": gateway.pid, "worker": worker.pid}, by_process=server is not None)
         warm = load(base, True, args.tokens, 2 * args.concurrency, args.concurrency, 1, meter)

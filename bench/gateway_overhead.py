@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from pagestream.producer import Producer  # noqa: E402
 from pagestream.worker.fake_engine import FakeEngine  # noqa: E402
+from procs import cpu_s  # noqa: E402
 
 MODEL = "fake"
 SWEEP_TOKENS = 16
@@ -72,15 +73,6 @@ def wait_http(url: str, timeout: float = 60) -> None:
         except httpx.HTTPError:
             time.sleep(0.2)
     raise RuntimeError(f"{url} did not come up")
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far (Linux /proc; NaN elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_wait_s(pid: int) -> float:

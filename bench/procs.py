@@ -1,6 +1,7 @@
 """Small helpers the gateway benches share (run as ``python bench/X.py``, so ``bench/`` is on the path)."""
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -18,3 +19,12 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) a process has used so far (Linux /proc; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

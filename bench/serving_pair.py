@@ -65,7 +65,7 @@ import httpx
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from tree_pair import (ROOT, RedisServer, cpu_s, describe, free_port, import_root, median, pct, product,  # noqa: E402
+from tree_pair import (ROOT, RedisServer, cpu_s, describe, wait_model_listed, free_port, import_root, median, pct, product,  # noqa: E402
                        schedule, scratch_dir, stop, tree_env)
 
 MODEL = "bench"
@@ -229,22 +229,6 @@ def queue_fed(url: str, prompts, lens_out, pids: dict[str, int]) -> dict:
     return out
 
 
-def wait_served(base: str, procs: dict, logs: Path, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for name, proc in procs.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited: " + (logs / f"{name}.log").read_text()[-3000:])
-        try:
-            r = httpx.get(f"{base}/v1/models", timeout=2)
-            if r.status_code == 200 and any(m.get("id") == MODEL for m in r.json().get("data", [])):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the gateway did not list the model in time: " + (logs / "worker.log").read_text()[-3000:])
-
-
 def one_tree(args) -> dict:
     """The driver: everything for one tree (``pagestream`` on sys.path is that tree)."""
     import torch
@@ -283,7 +267,7 @@ def one_tree(args) -> dict:
         gateway = product(root, ["gateway", "--redis-url", server.url, "--port", str(port), "--log-level", "WARNING"],
                           logs / "gateway.log", cwd=scratch)
         base = f"http://127.0.0.1:{port}"
-        wait_served(base, {"worker": worker, "gateway": gateway}, logs, timeout=600)
+        wait_model_listed(base, MODEL, {"worker": worker, "gateway": gateway}, logs, timeout=600, interval=0.5)
         res["worker_start_s"] = round(time.perf_counter() - t, 1)
         pids = {"gateway": gateway.pid, "worker": worker.pid}
         warm = served(base, [p[:64] for p in prompts[:8]], [8] * 8, 8, 1, pids)

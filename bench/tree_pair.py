@@ -18,8 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import redis
-from procs import free_port  # noqa: F401 (the benches import it from here too)
+from procs import cpu_s, free_port  # noqa: F401 (the benches import them from here too)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,13 +115,23 @@ def scratch_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, every thread) a process has used so far (Linux /proc; NaN elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def wait_model_listed(base: str, model: str, procs: dict, logs: Path, timeout: float, interval: float = 0.2) -> None:
+    """Until the gateway at ``base`` lists ``model`` (a worker announced it); a process of ``procs`` that exits
+    (or the timeout) raises with the tail of its log (``logs/NAME.log``)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited: " + (logs / f"{name}.log").read_text()[-3000:])
+        try:
+            r = httpx.get(f"{base}/v1/models", timeout=2)
+            if r.status_code == 200 and any(m.get("id") == model for m in r.json().get("data", [])):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    raise RuntimeError(f"the gateway did not list {model!r} in time: "
+                       + "".join((logs / f"{name}.log").read_text()[-3000:] for name in procs))
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import threading
-import time
 from contextlib import asynccontextmanager
 from typing import Callable
 
@@ -120,22 +118,21 @@ def _http_protocol(header_timeout_s: float):
 
 def run(settings: GatewaySettings, on_started: Callable[[], None] | None = None) -> None:
     """Serve until interrupted (uvicorn's own signal handling), within the settings' connection bounds;
-    ``on_started`` runs (in a thread) once the app has started and the socket listens, not before."""
+    ``on_started`` runs once the app has started and the socket listens, not before."""
     import uvicorn
 
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
                             http=_http_protocol(settings.header_timeout_s), timeout_keep_alive=settings.keep_alive_timeout_s,
                             limit_concurrency=settings.max_connections,
                             h11_max_incomplete_event_size=settings.max_header_bytes)
-    server = uvicorn.Server(config)
-    if on_started is not None:
-        def announce() -> None:
-            while not server.started and not server.should_exit:
-                time.sleep(0.05)
-            if server.started:
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started and on_started is not None:  # the app started and the socket listens
                 on_started()
 
-        threading.Thread(target=announce, name="gateway-started", daemon=True).start()
+    server = Server(config)
     server.run()
     if not server.started:  # the app's startup or the bind failed (uvicorn said why): as uvicorn.run exits
         sys.exit(3)
