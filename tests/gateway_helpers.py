@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -96,10 +97,14 @@ class ServeProc:
                 try:
                     return self.proc.wait(timeout)
                 except subprocess.TimeoutExpired:
+                    # what it is stuck on: the gateway writes every thread's and task's stack on SIGUSR1
+                    with contextlib.suppress(ProcessLookupError):
+                        self.proc.send_signal(signal.SIGUSR1)
+                    time.sleep(3)
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(self.proc.pid, signal.SIGKILL)
                     self.proc.wait(10)
-                    raise AssertionError(f"serve did not stop within {timeout}s of SIGTERM:\n{self.log()[-4000:]}") from None
+                    raise AssertionError(f"serve did not stop within {timeout}s of SIGTERM:\n{self.log()[-12000:]}") from None
             return self.proc.returncode
         finally:
             with contextlib.suppress(ProcessLookupError):  # anything of its group still there

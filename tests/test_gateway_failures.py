@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -177,6 +178,41 @@ def test_a_stream_resumes_on_another_gateway_after_a_kill_9_with_last_event_id(s
     assert httpx.get(f"{stack['gw'].base_url}/streams/{'0' * 32}", timeout=10).status_code == 404
     bad = httpx.get(f"{stack['gw'].base_url}/streams/{job_id}", headers={"Last-Event-ID": "x:1"}, timeout=10)
     assert bad.status_code == 400
+
+
+def test_sigterm_under_an_open_stream_stops_the_gateway_within_its_bound_and_the_stream_resumes_elsewhere(stack, tmp_path):
+
+    # a supervisor's stop (SIGTERM) while a 300-token stream is open (15 s at 50 ms a step): the gateway waits
+    # its shutdown bound for the stream, then cuts it and exits 0; the client resumes on another gateway
+    gw = GatewayProc(stack["server"].url, log_dir=tmp_path, env={"PAGESTREAM_GATEWAY_SHUTDOWN_TIMEOUT_S": "2"})
+    try:
+        gw.wait_ready()
+        body = {"model": MODEL, "prompt": "stop me", "max_tokens": 300, "stream": True}
+        with httpx.stream("POST", f"{gw.base_url}/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            before = read_sse(lines, stop_after=5)
+            # SIGUSR1 writes what every task waits on, and the gateway goes on serving
+            gw.proc.send_signal(signal.SIGUSR1)
+            wait_for(lambda: "Stack for <Task" in gw.log(), 10, "the SIGUSR1 stack dump")
+            assert gw.healthy()
+            gw.proc.terminate()
+            t0 = time.monotonic()
+            with pytest.raises(httpx.RemoteProtocolError):  # cut, not ended: no [DONE]
+                before += read_sse(lines)
+        assert gw.proc.wait(10) == 0, gw.log()[-4000:]
+        assert time.monotonic() - t0 < 10
+    finally:
+        gw.stop()
+    assert all(e["data"] != "[DONE]" for e in before)
+    last_id = before[-1]["id"]
+    with httpx.stream("GET", f"{stack['gw'].base_url}/streams/{last_id.split(':')[0]}",
+                      headers={"Last-Event-ID": last_id}, timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        after = read_sse(resp)
+    assert after[-1]["data"] == "[DONE]"
+    index = lambda events: [int(e["id"].split(":")[1]) for e in events]  # noqa: E731
+    assert index(before + after) == sorted(index(before + after))
+    assert index(after)[0] == index(before)[-1] + 1, (index(before), index(after)[:3])  # nothing lost or repeated
 
 
 def test_another_tenants_stream_is_a_404(stack, tmp_path):

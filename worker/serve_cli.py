@@ -160,9 +160,8 @@ def serve(
             "  bulk-worker  " + (f"pid {bulk.pid} (runs /v1/batches)" if bulk is not None else "not started (--no-bulk-worker): batches wait for one"),
             f"  files        {settings.files_uri}",
         ])
-        # uvicorn re-raises the SIGTERM it caught once it has shut down; as an exception (not the
-        # default handler's instant exit) it lets the finally below stop the children and the Redis.
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+        # run() turns the SIGTERM uvicorn re-raises after its shutdown into SystemExit(0), so the finally
+        # below stops the children and the Redis
         # "ready" only once the gateway listens (its startup warms the grammar check first): a client that
         # reads the banner and connects at once is answered, not refused
         run(settings, on_started=lambda: print(banner, flush=True))

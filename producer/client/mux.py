@@ -24,6 +24,7 @@ from typing import Any
 from redis.backoff import ExponentialBackoff
 
 from pagestream.producer.protocol import keys
+from pagestream.producer.client.aio import cancel_until_done
 from pagestream.producer.client.core import Failed
 
 log = logging.getLogger(__name__)
@@ -111,11 +112,7 @@ class StreamMux:
     async def aclose(self) -> None:
         self._closed = True
         for task in [t for t in (self._reader, *self._background) if t is not None]:
-            # again until it ends: redis-py can swallow a cancel that lands while it checks a pooled
-            # connection (asyncio.timeout(0) on Python 3.11), and the read that follows blocks on
-            while not task.done():
-                task.cancel()
-                await asyncio.wait({task}, timeout=0.1)
+            await cancel_until_done(task)
         try:
             await self.redis.delete(self.wake_key)
         except Exception:  # closing: a Redis that is gone keeps the key until its TTL

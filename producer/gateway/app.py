@@ -14,6 +14,7 @@ has its job cancelled (the worker aborts it within one step, freeing its KV bloc
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from contextlib import asynccontextmanager
 from typing import Callable
@@ -116,6 +117,25 @@ def _http_protocol(header_timeout_s: float):
     return HeaderTimeoutH11Protocol
 
 
+def install_stack_dump(signum: int = signal.SIGUSR1) -> None:
+    """On ``signum``, write every thread's stack and every asyncio task's stack to stderr, and go on
+    serving: what a gateway that will not answer or will not stop is waiting on (``kill -USR1 PID``)."""
+    import faulthandler
+
+    def dump(_signum, _frame) -> None:
+        faulthandler.dump_traceback(all_threads=True)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # the signal landed outside the loop (startup, shutdown)
+            return
+        for task in asyncio.all_tasks(loop):
+            print(f"Stack for {task!r}:", file=sys.stderr)
+            task.print_stack(file=sys.stderr)
+        sys.stderr.flush()
+
+    signal.signal(signum, dump)
+
+
 def run(settings: GatewaySettings, on_started: Callable[[], None] | None = None) -> None:
     """Serve until interrupted (uvicorn's own signal handling), within the settings' connection bounds;
     ``on_started`` runs once the app has started and the socket listens, not before."""
@@ -124,7 +144,8 @@ def run(settings: GatewaySettings, on_started: Callable[[], None] | None = None)
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
                             http=_http_protocol(settings.header_timeout_s), timeout_keep_alive=settings.keep_alive_timeout_s,
                             limit_concurrency=settings.max_connections,
-                            h11_max_incomplete_event_size=settings.max_header_bytes)
+                            h11_max_incomplete_event_size=settings.max_header_bytes,
+                            timeout_graceful_shutdown=settings.shutdown_timeout_s)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -133,6 +154,10 @@ def run(settings: GatewaySettings, on_started: Callable[[], None] | None = None)
                 on_started()
 
     server = Server(config)
+    install_stack_dump()
+    # uvicorn re-raises the SIGTERM it caught once it has shut down; as SystemExit(0) (not the default
+    # handler's instant death by signal) the caller's cleanup runs and the exit status says "stopped"
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     server.run()
     if not server.started:  # the app's startup or the bind failed (uvicorn said why): as uvicorn.run exits
         sys.exit(3)

@@ -56,6 +56,9 @@ class GatewaySettings(BaseSettings):
     keep_alive_timeout_s: float = Field(5.0, gt=0)
     max_connections: int = Field(4096, ge=1)
     max_header_bytes: int = Field(16 * 1024, ge=1024)
+    # a stop (SIGTERM, Ctrl-C) waits this long for open requests and streams, then for background work,
+    # before it cuts them (a cut stream resumes on another gateway with Last-Event-ID)
+    shutdown_timeout_s: float = Field(30.0, gt=0)
     bulk_queue: str = BULK_QUEUE  # the RQ queue ``pagestream bulk-worker`` runs batches from
     # /tokenize, /detokenize, /tokenizer_info: how long the gateway waits for a worker's tokenizer (past it: 503)
     tokenizer_timeout_s: float = Field(5.0, gt=0)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from pagestream.producer.client import AsyncProducer
+from pagestream.producer.client.aio import cancel_until_done
 from pagestream.producer.gateway.auth import KeyTable
 from pagestream.producer.gateway.limits import TenantAdmission
 from pagestream.producer.gateway.metrics import GatewayMetrics
@@ -54,9 +55,14 @@ class GatewayState:
 
     async def aclose(self) -> None:
         if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
-        await asyncio.gather(*self._background, return_exceptions=True)
+            await cancel_until_done(self._reaper)
+        # background work (a batch's file written out, a cancelled job's cleanup) gets the shutdown bound
+        # to finish; what is still running then is cancelled, so a stop is never held by a stuck call
+        pending = [t for t in self._background if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=self.settings.shutdown_timeout_s)
+            for task in pending:
+                await cancel_until_done(task)
         self.batches.close()
         await self.producer.aclose()
 
