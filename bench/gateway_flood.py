@@ -27,7 +27,7 @@ import httpx
 import redis
 
 from pagestream.producer.protocol import keys
-from procs import free_port, rss_mib
+from procs import children, free_port, rss_mib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/13")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--checkers", type=int, help="the gateway's body_check_processes (default: its own default)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -75,6 +76,8 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="flood-"))
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.checkers is not None:
+        env["PAGESTREAM_GATEWAY_BODY_CHECK_PROCESSES"] = str(args.checkers)
     cli = [sys.executable, "-m", "pagestream.worker.cli"]
     worker = subprocess.Popen([*cli, "worker", "--redis-url", args.redis_url, "--model", "fake:5", "--served-model-name", "flood-model"],
                               cwd=ROOT, env=env, stdout=open(logs / "worker.log", "w"), stderr=subprocess.STDOUT)
@@ -101,12 +104,19 @@ def main() -> None:
             clients = [mp.Process(target=flood, args=(base, model, args.seconds, q)) for _ in range(args.clients)]
             for p in clients:
                 p.start()
-            latencies, peak = [], idle
+            latencies, peak, helpers_peak = [], idle, 0.0
             while any(p.is_alive() for p in clients):
                 t0 = time.perf_counter()
                 ok = c.get(base + "/health").status_code == 200
                 latencies.append((time.perf_counter() - t0) * 1000 if ok else float("inf"))
                 peak = max(peak, rss_mib(gateway.pid))
+                helpers = 0.0  # the gateway's children: its body checkers
+                for child in children(gateway.pid):
+                    try:
+                        helpers += rss_mib(child)
+                    except OSError:  # gone meanwhile
+                        pass
+                helpers_peak = max(helpers_peak, helpers)
                 time.sleep(0.02)
             codes: Counter = Counter()
             for _ in clients:
@@ -122,7 +132,8 @@ def main() -> None:
             "seconds": args.seconds, "clients": args.clients, "health_probes": len(lat),
             "health_ms": {**pct, "max": round(lat[-1], 2)},
             "gateway_rss_mib": {"idle": round(idle, 1), "peak": round(peak, 1), "after": round(after, 1),
-                                "peak_over_idle": round(peak / idle, 2)},
+                                "peak_over_idle": round(peak / idle, 2), "children_peak": round(helpers_peak, 1)},
+            "body_check_processes": args.checkers,
             "answers": dict(sorted(codes.items())),
             "jobs_in_redis": {"before": jobs_before, "after": jobs_after},
             "holds": {"health_p99_under_50ms": pct["p99"] < 50, "rss_under_2x_idle": peak < 2 * idle,

@@ -11,6 +11,7 @@ from fastapi import Request
 from pagestream.producer.client import AsyncProducer
 from pagestream.producer.client.aio import cancel_until_done
 from pagestream.producer.gateway.auth import KeyTable
+from pagestream.producer.gateway.body import BodyChecks
 from pagestream.producer.gateway.limits import TenantAdmission
 from pagestream.producer.gateway.metrics import GatewayMetrics
 from pagestream.producer.gateway.settings import GatewaySettings
@@ -32,6 +33,7 @@ class GatewayState:
         self.keys = KeyTable(settings.key_specs())
         self.metrics = GatewayMetrics()
         self.admission = TenantAdmission(producer.redis, settings.limit_table())  # per-tenant limits
+        self.body_checks = BodyChecks(settings.body_check_processes)  # large bodies judged off the GIL
         self._background: set[asyncio.Task] = set()
         self.leases = StreamLeases(self)  # streamed jobs whose client (or gateway) went away
         self._reaper: asyncio.Task | None = None
@@ -64,6 +66,7 @@ class GatewayState:
             for task in pending:
                 await cancel_until_done(task)
         self.batches.close()
+        self.body_checks.close()
         await self.producer.aclose()
 
 

@@ -28,18 +28,44 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def loads_untrusted(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> Any:
+def count_containers_past(raw: bytes, cap: int) -> bool:
+    """Whether the JSON text ``raw`` opens more than ``cap`` arrays/objects outside its strings, found
+    before ``json.loads`` builds them: a cheap upper bound first, then the exact count (escapes dropped
+    pair by pair, the text split at its quotes), each step one short C call."""
+    if raw.count(b"{") + raw.count(b"[") <= cap:
+        return False
+    outside = raw.replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')[::2]
+    n = 0
+    for part in outside:
+        n += part.count(b"{") + part.count(b"[")
+        if n > cap:
+            return True
+    return False
+
+
+def check_untrusted(raw: bytes, *, max_bytes: int, max_containers: int, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """``loads_untrusted``'s verdict on ``raw`` (raises ``UntrustedJSONError``, or returns None) without
+    handing the tree back: what the gateway runs in a process of its own for a large body, so the parse
+    of a hostile one never holds the gateway's GIL."""
+    loads_untrusted(raw, max_bytes=max_bytes, max_depth=max_depth, max_containers=max_containers)
+
+
+def loads_untrusted(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH,
+                    max_containers: int | None = None) -> Any:
     """Parse JSON that crossed a trust boundary, refusing what could hurt a reader later.
 
     The one parser for lane entries, bulk input lines and anything else a stranger can
     write: at most ``max_bytes`` (UTF-8), at most ``max_depth`` levels of arrays/objects,
     valid UTF-8 with no lone surrogates (``"\\ud800"`` parses in Python but can never be
     written back as UTF-8, so it would break whoever serializes the result), and no
-    NaN/Infinity. Raises ``UntrustedJSONError`` saying which rule was broken.
+    NaN/Infinity; with ``max_containers``, at most that many arrays and objects, counted before they
+    are built. Raises ``UntrustedJSONError`` saying which rule was broken.
     """
     size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
     if size > max_bytes:
         raise UntrustedJSONError(f"payload is {size} bytes; at most {max_bytes} are accepted")
+    if max_containers is not None and count_containers_past(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass"), max_containers):
+        raise UntrustedJSONError(f"more than {max_containers} arrays and objects")
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
