@@ -37,6 +37,8 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -315,7 +317,17 @@ def run_tree(label: str, tree: str, args, scratch: Path) -> dict:
         out = {"label": label, "tree": str(Path(tree).resolve()), "commit": describe(tree), "idle": idle,
                "warmup_errors": warm["errors"]}
         for phase, stream in (("stream", True), ("nonstream", False)):
+            spy = None
+            if args.py_spy:  # the gateway's stacks during this phase, as py-spy's collapsed ("raw") format
+                spy = subprocess.Popen([args.py_spy_bin, "record", "--pid", str(gateway.pid), "--format", "raw",
+                                        "--rate", "250", "--nonblocking", "-o",
+                                        str(Path(args.py_spy) / f"{label}-{phase}-{int(time.time())}.txt")],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1.0)  # attached before the load starts
             out[phase] = load(base, stream, args.tokens, args.requests, args.concurrency, args.client_procs, meter)
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(60)
         return out
     finally:
         stop(gateway, 30)
@@ -362,6 +374,9 @@ def main() -> None:
     ap.add_argument("--client-procs", type=int, default=1, help="processes the clients are spread over")
     ap.add_argument("--redis-url", default=None, help="use this Redis db (FLUSHED) instead of a private redis-server")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--py-spy", default=None, metavar="DIR",
+                    help="record the gateway's stacks per phase with py-spy (collapsed format) into DIR")
+    ap.add_argument("--py-spy-bin", default=str(Path(sys.executable).with_name("py-spy")), help="the py-spy executable")
     args = ap.parse_args()
     scratch = scratch_dir("gateway-cost-")
     res = {"argv": sys.argv, "machine": f"{platform.node()} {os.cpu_count()} cores, Python {platform.python_version()}",

@@ -2,6 +2,9 @@
 parameters, against a gateway process (no worker needed: nothing here reaches one)."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import time
 
@@ -80,6 +83,44 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(gw):
         t0 = time.monotonic()
         assert s.recv(1024) == b""  # closed by the gateway (main held it open for ever: a timeout here)
         assert time.monotonic() - t0 < HEADER_TIMEOUT_S + 3
+    assert gw.healthy()
+
+
+def test_headers_past_max_header_bytes_are_a_400_and_the_connection_closes(gw):
+    """16 KiB of request line and headers by default (max_header_bytes): 8 KiB of cookie passes, 20 KiB is
+    a 400 and a closed connection, sent in small pieces so no single read sees it all."""
+    assert httpx.get(f"http://127.0.0.1:{gw.port}/health", headers={"cookie": "a" * 8192}, timeout=10).status_code == 200
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nCookie: ")
+        answer = b""
+        try:
+            for _ in range(20):
+                s.sendall(b"a" * 1024)
+                time.sleep(0.01)
+            s.sendall(b"\r\n\r\n")
+        except OSError:  # closed while sending: the answer is already there
+            pass
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    # a header line that never ends, after a first request on the same connection (no header timeout
+    # then): refused once it passes the bound, not buffered for as long as the client sends
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.2)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nCookie: ")
+        answer = b""
+        try:
+            for _ in range(20):  # 20 KiB, then nothing: the 400 must come without the line's end
+                s.sendall(b"a" * 1024)
+                time.sleep(0.005)
+        except OSError:  # closed while sending
+            pass
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):
+                answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
     assert gw.healthy()
 
 
@@ -191,3 +232,41 @@ def test_a_body_with_many_bad_items_answers_a_few_errors_and_a_count(gw):
     assert r.status_code == 400, r.text[:500]
     message = r.json()["error"]["message"]
     assert "more error(s)" in message and len(r.content) < 2_000, message[:500]
+
+
+def _checkers(pid: int) -> set[int]:
+    """The gateway's body-checker processes: its children that multiprocessing spawned as workers."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                if b"spawn_main" in open(f"/proc/{entry}/cmdline", "rb").read():
+                    found.add(int(entry))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            pass
+    return found
+
+
+def test_a_killed_body_checker_is_replaced_and_large_bodies_are_still_judged(gw):
+    """Bodies past 256 KiB are judged in checker processes: killing them (OOM killer, an operator) costs
+    no answer: the body in flight is judged in a thread, the next one in fresh checkers."""
+    hostile = ("[" + ", ".join(["{}"] * 200_000) + "]").encode()
+    fine = {"model": "nobody", "prompt": "a" * 400_000, "max_tokens": 1}  # parses; no worker serves the model
+
+    def judged() -> tuple[int, str]:
+        r = httpx.post(f"{gw.base_url}/completions", content=hostile, headers={"content-type": "application/json"},
+                       timeout=60)
+        return r.status_code, r.json()["error"]["message"]
+
+    assert judged() == (400, "request body is not acceptable JSON: more than 100000 arrays and objects")
+    first = _checkers(gw.proc.pid)
+    assert first, "no checker process"
+    for pid in first:
+        os.kill(pid, signal.SIGKILL)
+    for _ in range(3):
+        assert judged() == (400, "request body is not acceptable JSON: more than 100000 arrays and objects")
+    r = httpx.post(f"{gw.base_url}/completions", json=fine, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    again = _checkers(gw.proc.pid)
+    assert again and not again & first, (first, again)
+    assert gw.healthy()

@@ -321,26 +321,38 @@ class ProducerCore:
         last: str | None = None
         what = f"waiting for job {job_id}"
         reached = False  # a reconnect is waited for only once Redis answered this call
+        look = True  # read the job's hash this turn
+        looked = 0.0
         while True:
-            if last is None:
-                # Note the newest entry before reading the result: the worker writes the end entry and
-                # the result in one transaction, so a result missed below has its end entry after this id
-                # and the XREAD wakes at once (read the other way round, it would sleep a full block).
-                newest = yield from self._read(Call("xrevrange", (out_key,), {"count": 1}, retry=True), what, reached)
-                last = as_str(newest[0][0]) if newest else "0-0"
-                reached = True
-            raw, st = yield from self._read(Call("hmget", (keys.job_hash(job_id), RESULT_READ), retry=True), what)
-            if raw is not None:
-                return JobResult.model_validate_json(raw)
-            if st is None:
-                raise JobNotFound(job_id)
+            if look:
+                read_result = Call("hmget", (keys.job_hash(job_id), RESULT_READ), retry=True)
+                if last is None:
+                    # Note the newest entry before reading the result (one round trip, in this order): the
+                    # worker writes the end entry and the result in one transaction, so a result missed here
+                    # has its end entry after this id and the XREAD wakes at once (read the other way round,
+                    # it would sleep a full block).
+                    newest, (raw, st) = yield from self._read(
+                        [Call("xrevrange", (out_key,), {"count": 1}), read_result], what, reached)
+                    last = as_str(newest[0][0]) if newest else "0-0"
+                    reached = True
+                else:
+                    raw, st = yield from self._read(read_result, what)
+                if raw is not None:
+                    return JobResult.model_validate_json(raw)
+                if st is None:
+                    raise JobNotFound(job_id)
+                looked = time.monotonic()
             block_ms = _block_ms(deadline, lambda: f"job {job_id} not finished after {timeout} s (status {as_str(st)})")
-            # Wake as soon as the worker writes anything to the job's stream; the end entry
-            # and the result are written in one transaction (re-checked on the next turn).
+            # Wake as soon as the worker writes anything to the job's stream. The hash is read again when
+            # the end entry shows (it and the result are written in one transaction), after a quiet block,
+            # and at least each second (a Redis restarted empty loses the hash while its worker writes on),
+            # not at every token event: a request waiting for 64 tokens read it ~26 times.
             resp = yield from self._read(Call("xread", ({out_key: last},), {"count": 1000, "block": block_ms}, retry=True), what)
+            look = not resp or time.monotonic() - looked > 1.0
             for _, entries in resp or []:
                 if entries:
                     last = as_str(entries[-1][0])
+                    look = look or any(is_end_entry(f) for _, f in entries)
 
     def results(self, job_ids: list[str], timeout: float | None) -> Steps:
         """``result`` for many jobs at once, in the order of ``job_ids``.
@@ -367,16 +379,16 @@ class ProducerCore:
         reached = False  # a reconnect is waited for only once Redis answered this call
         while True:
             if check:
-                # Note each stream's newest entry before reading its result (the reason is in ``result``).
+                # Note each stream's newest entry before reading its result, in the same round trip (the
+                # reason is in ``result``).
                 fresh = [j for j in check if j not in last]
-                if fresh:
-                    newest = yield from self._read(
-                        [Call("xrevrange", (stream_of[j],), {"count": 1}) for j in fresh], what, reached)
-                    reached = True
-                    for j, entries in zip(fresh, newest):
-                        last[j] = as_str(entries[0][0]) if entries else "0-0"
-                rows = yield from self._read(
-                    [Call("hmget", (keys.job_hash(j), RESULT_READ)) for j in check], what)
+                replies = yield from self._read(
+                    [Call("xrevrange", (stream_of[j],), {"count": 1}) for j in fresh]
+                    + [Call("hmget", (keys.job_hash(j), RESULT_READ)) for j in check], what, reached or not fresh)
+                reached = True
+                for j, entries in zip(fresh, replies):
+                    last[j] = as_str(entries[0][0]) if entries else "0-0"
+                rows = replies[len(fresh):]
                 for j, (raw, st) in zip(check, rows):
                     if raw is not None:
                         got[j] = JobResult.model_validate_json(raw)

@@ -91,30 +91,72 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
     return app
 
 
-def _http_protocol(header_timeout_s: float):
-    """uvicorn's h11 protocol, closing a connection whose first request's headers are not complete within
-    ``header_timeout_s`` (uvicorn's keep-alive timer covers the requests after the first, not the first)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+class HeaderTooLarge(Exception):
+    """A request line plus headers past the gateway's ``max_header_bytes``."""
 
-    class HeaderTimeoutH11Protocol(H11Protocol):
+
+def _http_protocol(header_timeout_s: float, max_header_bytes: int):
+    """uvicorn's httptools protocol (its C parser) within two bounds it lacks: a connection whose first
+    request's headers are not complete within ``header_timeout_s`` is closed (uvicorn's keep-alive timer
+    covers the requests after the first, not the first: slowloris), and a request line plus headers past
+    ``max_header_bytes`` is a 400 (llhttp itself takes headers of any size)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self._begin_headers()
             self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _begin_headers(self) -> None:
+            self._in_headers = True
+            self._received = 0  # bytes that arrived since this request began, while its headers are open
+            self._parsed = 0  # its request line and headers, counted as the parser hands them over
 
         def _header_timeout(self) -> None:
             if self.cycle is None and not self.transport.is_closing():
                 self.transport.close()
 
         def data_received(self, data: bytes) -> None:
+            if self._in_headers:
+                self._received += len(data)
             super().data_received(data)
-            if self.cycle is not None:  # the first request's headers are in: its cycle has begun
-                self._header_timer.cancel()
+            # still inside one request's headers after all of it, so every byte since its start is a header
+            # byte: llhttp holds an unfinished header line without limit, and would wait for ever
+            if self._in_headers and self._received > max_header_bytes and not self.transport.is_closing():
+                self.send_400_response("Request line and headers are too large.")
+
+        def _count(self, n: int) -> None:
+            self._parsed += n
+            if self._parsed > max_header_bytes:  # raised through the parser: uvicorn answers 400 and closes
+                raise HeaderTooLarge(f"request line and headers past {max_header_bytes} bytes")
+
+        def on_message_begin(self) -> None:
+            self._begin_headers()
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:  # exact, once a header is whole
+            self._count(len(name) + len(value) + 4)  # "name: value\r\n"
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._header_timer.cancel()  # the first request's headers are in
+            self._in_headers = False
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._begin_headers()  # what arrives next is the next request's
+            super().on_message_complete()
 
         def connection_lost(self, exc) -> None:
             self._header_timer.cancel()
             super().connection_lost(exc)
 
-    return HeaderTimeoutH11Protocol
+    return BoundedHttpToolsProtocol
 
 
 def install_stack_dump(signum: int = signal.SIGUSR1) -> None:
@@ -142,9 +184,8 @@ def run(settings: GatewaySettings, on_started: Callable[[], None] | None = None)
     import uvicorn
 
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-                            http=_http_protocol(settings.header_timeout_s), timeout_keep_alive=settings.keep_alive_timeout_s,
-                            limit_concurrency=settings.max_connections,
-                            h11_max_incomplete_event_size=settings.max_header_bytes,
+                            http=_http_protocol(settings.header_timeout_s, settings.max_header_bytes),
+                            timeout_keep_alive=settings.keep_alive_timeout_s, limit_concurrency=settings.max_connections,
                             timeout_graceful_shutdown=settings.shutdown_timeout_s)
 
     class Server(uvicorn.Server):

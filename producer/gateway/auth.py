@@ -30,9 +30,11 @@ class KeyTable:
         return found
 
 
-def require_api_key(request: Request) -> Tenant:
+async def require_api_key(request: Request) -> Tenant:
     """``Authorization: Bearer <key>`` with one of the configured keys: the key's tenant (also put on
-    ``request.state.tenant``). No key configured: no key needed, every request is the open tenant."""
+    ``request.state.tenant``). No key configured: no key needed, every request is the open tenant.
+    ``async`` though it awaits nothing: FastAPI runs a plain ``def`` dependency in its thread pool, a
+    thread hop (and a fight for the GIL) on every request."""
     table: KeyTable = request.app.state.gateway.keys
     if table.open:
         tenant = OPEN

@@ -314,14 +314,41 @@ class OpenAIServing:
             elif (task.cancelled() or task.exception() is not None) and not keep:
                 self.state.spawn(self.producer.cancel(job_id))
 
-    async def _follow(self, p: int, job_id: str, queue: asyncio.Queue, from_index: int = 0) -> None:
-        events = self.producer.follow(job_id, from_index, timeout=self.settings.request_timeout_s)
+    async def _follow(self, p: int, job_id: str, from_index: int = 0) -> AsyncIterator[tuple[int, Any]]:
+        """``(p, event)`` for each of the job's token events, then ``(p, how it ended)``: its status, or the
+        error that ended the read (the stream reports it as the job's end)."""
+        follow = self.producer.follow(job_id, from_index, timeout=self.settings.request_timeout_s)
         try:
-            async for ev in events:
-                await queue.put((p, ev))
-            await queue.put((p, events.status))
-        except Exception as exc:  # the stream reports it as the job's end
-            await queue.put((p, exc))
+            async with contextlib.aclosing(aiter(follow)) as events:
+                async for ev in events:
+                    yield p, ev
+        except Exception as exc:
+            yield p, exc
+        else:
+            yield p, follow.status
+
+    async def _job_events(self, job_ids: list[str], from_index: int) -> AsyncIterator[tuple[int, Any]]:
+        """Every job's ``_follow`` interleaved as they arrive. One job (the usual stream) is read in place,
+        with no task or queue between its reads and its chunks."""
+        if len(job_ids) == 1:
+            async with contextlib.aclosing(self._follow(0, job_ids[0], from_index)) as events:
+                async for item in events:
+                    yield item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(p: int, job_id: str) -> None:
+            async with contextlib.aclosing(self._follow(p, job_id, from_index)) as events:
+                async for item in events:
+                    await queue.put(item)
+
+        followers = [asyncio.ensure_future(pump(p, j)) for p, j in enumerate(job_ids)]
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            for f in followers:
+                f.cancel()
 
     async def events(self, req: OpenAIRequest, rid: str, created: int, job_ids: list[str], arrived: float,
                      max_tokens: int | None, resume_from: int | None = None, owner: str = ANONYMOUS,
@@ -342,8 +369,7 @@ class OpenAIServing:
         self.metrics.streams.inc()
         t0 = time.monotonic()
         n = req.n
-        queue: asyncio.Queue = asyncio.Queue()
-        followers = [asyncio.ensure_future(self._follow(p, j, queue, resume_from or 0)) for p, j in enumerate(job_ids)]
+        job_events = self._job_events(job_ids, resume_from or 0)
         finished = failed = False
         # while this client is connected; a detached stream's jobs hold none: they outlive their client
         lease = asyncio.ensure_future(self.state.leases.hold(job_ids)) if not detached else None
@@ -365,7 +391,7 @@ class OpenAIServing:
             ids_sent: set[int] = set()  # choices whose chunk carried the prompt's ids
             hide = self.hides_output(req)
             while len(done) < len(job_ids):
-                p, ev = await queue.get()
+                p, ev = await anext(job_events)
                 if not isinstance(ev, TokenEvent):  # the job's end: its status, or the follow's error
                     if isinstance(ev, (JobStatus, JobNotFound)):  # final, or gone: it stops counting
                         await self.state.admission.release(owner, [job_ids[p]])
@@ -427,7 +453,7 @@ class OpenAIServing:
                     yield chunk, last_id
             finished = True
             done_at = time.time()
-            results = [await self.producer.result(j, timeout=60) for j in job_ids]  # usage, and vLLM's metrics
+            results = await self.producer.results(job_ids, timeout=60)  # usage, and vLLM's metrics
             if req.include_usage:
                 yield usage_chunk(self.chunk_object, rid, req.model, created, results), last_id
             yield "[DONE]", last_id
@@ -436,8 +462,7 @@ class OpenAIServing:
                                                  finished=done_at, first_token=first_token.get(p),
                                                  last_token=last_token.get(p))
         finally:
-            for f in followers:
-                f.cancel()
+            await job_events.aclose()
             if lease is not None:
                 lease.cancel()
             if held is not None:

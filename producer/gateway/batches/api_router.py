@@ -13,7 +13,7 @@ from pagestream.producer.protocol.tenants import Tenant
 router = APIRouter()
 
 
-def serving(request: Request) -> OpenAIServingBatches:
+async def serving(request: Request) -> OpenAIServingBatches:  # async: a plain def would run in the thread pool
     return request.app.state.gateway.batches
 
 
