@@ -227,8 +227,12 @@ class OpenAIServing:
         if req.stream:
             record = {"tenant": tenant.name if tenant is not None else None, "family": self.id_prefix,
                       "created": created, "body": data, "detached": detached}
-            await self.producer.redis.set(keys.stream_record(job_ids[0]), json.dumps(record),
-                                          ex=int(self.settings.request_timeout_s) + 600)
+            pipe = self.producer.redis.pipeline(transaction=False)  # the record and the first lease: one round trip
+            pipe.set(keys.stream_record(job_ids[0]), json.dumps(record), ex=int(self.settings.request_timeout_s) + 600)
+            if not detached:
+                lease_key, leases = self.state.leases.lease_args(job_ids)
+                pipe.zadd(lease_key, leases, gt=True)
+            await pipe.execute()
             return EventStream(self.events(req, rid, created, job_ids, arrived, jobs[0].sampling.max_tokens,
                                            owner=owner, slot=slot, detached=detached),
                                headers={"Cache-Control": "no-cache"})
@@ -371,8 +375,9 @@ class OpenAIServing:
         n = req.n
         job_events = self._job_events(job_ids, resume_from or 0)
         finished = failed = False
-        # while this client is connected; a detached stream's jobs hold none: they outlive their client
-        lease = asyncio.ensure_future(self.state.leases.hold(job_ids)) if not detached else None
+        # leased while this client is connected; a detached stream's jobs hold none: they outlive their client
+        if not detached:
+            self.state.leases.hold(job_ids)
         held = asyncio.ensure_future(self.state.admission.hold_stream(slot)) if slot is not None else None
         last_id = event_id(job_ids[0], resume_from or 0)  # the last event's id (error, usage and [DONE] repeat it)
         try:
@@ -463,16 +468,16 @@ class OpenAIServing:
                                                  last_token=last_token.get(p))
         finally:
             await job_events.aclose()
-            if lease is not None:
-                lease.cancel()
             if held is not None:
                 held.cancel()  # the stream's slot is free
             self.metrics.streams.dec()
             self.metrics.latency.labels("stream").observe(time.monotonic() - t0)
             # finished: the leases go; a prompt or the stream failed: the jobs are cancelled now; the client
             # went away: cancelled now, or once the resume grace passes without a client back (stream_leases)
-            if not detached or failed:
-                self.state.spawn(self.state.leases.ended(job_ids, finished, failed))
+            if finished and not detached:
+                self.state.leases.finish(job_ids)
+            elif not finished and (not detached or failed):
+                self.state.spawn(self.state.leases.left(job_ids, failed, held=not detached))
 
 
 async def resume(state: GatewayState, request: Request, job_id: str) -> Response:

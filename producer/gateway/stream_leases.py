@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 
 import redis
 
@@ -39,7 +40,12 @@ def _ms() -> int:
 
 
 class StreamLeases:
-    """The leases of one gateway's streams, and the reaper of every gateway's ended ones."""
+    """The leases of one gateway's streams, and the reaper of every gateway's ended ones.
+
+    One loop per gateway does the Redis work of every stream it serves: each round it reaps ended leases,
+    every ``renew_s`` it renews all the leases its connected clients hold in one ZADD, and it drops the
+    leases of finished streams in one ZREM. A stream's own Redis work is the first lease, written with the
+    stream's record in one round trip (``lease_args``), and a prompt cancel when its client leaves."""
 
     def __init__(self, state) -> None:
         self.state = state
@@ -53,29 +59,43 @@ class StreamLeases:
         self.renew_s = self.lease_s / 4
         self.reap_interval_s = min(0.5, self.lease_s / 8)
         self._reap = self.redis.register_script(REAP_LUA)
+        self._held: Counter[str] = Counter()  # job id -> this gateway's open streams of it
+        self._finished: set[str] = set()  # leases to drop at the next round
 
-    async def hold(self, job_ids: list[str]) -> None:
-        """Keep the jobs leased while this stream's client is connected (until cancelled)."""
-        key = keys.stream_leases()
-        while True:
-            try:
-                await self.redis.zadd(key, {j: _ms() + self.held_ms for j in job_ids}, gt=True)
-            except redis.RedisError:
-                pass  # Redis away for a moment: the next renewal may land
-            await asyncio.sleep(self.renew_s)
+    def lease_args(self, job_ids: list[str]) -> tuple[str, dict[str, int]]:
+        """``ZADD key GT mapping`` for the first lease of a stream's jobs (the caller pipelines it)."""
+        return keys.stream_leases(), {j: _ms() + self.held_ms for j in job_ids}
 
-    async def ended(self, job_ids: list[str], finished: bool, failed: bool) -> None:
-        """The stream ended: jobs finished (the leases go), failed or left with no grace (cancelled now), or
-        left (a full grace from now to resume, then whichever gateway reaps the lease cancels them)."""
+    def hold(self, job_ids: list[str]) -> None:
+        """This gateway's client is connected to a stream of these jobs: renew their leases until ``ended``."""
+        self._held.update(job_ids)
+        self._finished.difference_update(job_ids)
+
+    def _unhold(self, job_ids: list[str]) -> None:
+        self._held.subtract(job_ids)
+        for j in job_ids:
+            if self._held[j] <= 0:
+                del self._held[j]
+
+    def finish(self, job_ids: list[str]) -> None:
+        """A held stream's jobs finished: their leases go at the next round (unless another stream holds them)."""
+        self._unhold(job_ids)
+        self._finished.update(j for j in job_ids if j not in self._held)
+
+    async def left(self, job_ids: list[str], failed: bool, held: bool = True) -> None:
+        """A stream ended unfinished: failed, or its client left with no grace (the jobs are cancelled now),
+        or its client left (a full grace from now to resume, then whichever gateway reaps the lease cancels
+        them). ``held``: the stream had called ``hold``."""
+        if held:
+            self._unhold(job_ids)
         key = keys.stream_leases()
         try:
-            if finished or failed or self.grace_s <= 0:
+            if failed or self.grace_s <= 0:
                 await self.redis.zrem(key, *job_ids)
-                if not finished:
-                    for j in job_ids:
-                        before = await self.state.producer.cancel(j)
-                        if not failed and before is not None and not before.is_final:
-                            self.state.metrics.disconnect_cancels.inc()
+                for j in job_ids:
+                    before = await self.state.producer.cancel(j)
+                    if not failed and before is not None and not before.is_final:
+                        self.state.metrics.disconnect_cancels.inc()
             else:
                 await self.redis.zadd(key, {j: _ms() + int(self.grace_s * 1000) for j in job_ids}, gt=True)
         except redis.RedisError as exc:
@@ -91,14 +111,32 @@ class StreamLeases:
                 self.state.metrics.disconnect_cancels.inc()
         return len(ended)
 
+    async def drop_finished(self) -> None:
+        """The finished streams' leases, dropped in one command."""
+        if self._finished:
+            done, self._finished = list(self._finished), set()
+            await self.redis.zrem(keys.stream_leases(), *done)
+
+    async def renew_once(self) -> None:
+        """Every lease this gateway's connected clients hold, pushed ``held_ms`` ahead in one command (and
+        the finished streams' dropped)."""
+        await self.drop_finished()
+        if self._held:
+            await self.redis.zadd(keys.stream_leases(), dict.fromkeys(self._held, _ms() + self.held_ms), gt=True)
+
     async def reap(self) -> None:
-        """Reap ended leases until cancelled (every gateway runs this)."""
-        interval = self.reap_interval_s
+        """Reap ended leases, renew held ones and drop finished ones until cancelled (every gateway runs this)."""
+        next_renew = 0.0
         while True:
             try:
+                if time.monotonic() >= next_renew:
+                    next_renew = time.monotonic() + self.renew_s
+                    await self.renew_once()
+                else:
+                    await self.drop_finished()
                 await self.reap_once()
             except redis.RedisError:
                 pass  # the next round retries
             except Exception:
                 log.exception("stream lease reaper")
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.reap_interval_s)

@@ -43,13 +43,6 @@ def count_containers_past(raw: bytes, cap: int) -> bool:
     return False
 
 
-def check_untrusted(raw: bytes, *, max_bytes: int, max_containers: int, max_depth: int = MAX_JSON_DEPTH) -> None:
-    """``loads_untrusted``'s verdict on ``raw`` (raises ``UntrustedJSONError``, or returns None) without
-    handing the tree back: what the gateway runs in a process of its own for a large body, so the parse
-    of a hostile one never holds the gateway's GIL."""
-    loads_untrusted(raw, max_bytes=max_bytes, max_depth=max_depth, max_containers=max_containers)
-
-
 def loads_untrusted(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH,
                     max_containers: int | None = None) -> Any:
     """Parse JSON that crossed a trust boundary, refusing what could hurt a reader later.

@@ -7,14 +7,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from pagestream.producer.gateway.body import json_object
+from pagestream.producer.gateway.body import openai_request_object
 from pagestream.producer.gateway.errors import GatewayError
 
 router = APIRouter()
 
 
 @router.post("/invocations")
-async def invocations(request: Request, body: Annotated[dict[str, Any], Depends(json_object)]) -> Response:
+async def invocations(request: Request, body: Annotated[dict[str, Any], Depends(openai_request_object)]) -> Response:
     gateway = request.app.state.gateway
     if "messages" in body:
         return await gateway.chat.create(request, body)

@@ -7,14 +7,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from pagestream.producer.gateway.auth import require_api_key
-from pagestream.producer.gateway.body import json_object
+from pagestream.producer.gateway.body import openai_request_object
 from pagestream.producer.protocol.tenants import Tenant
 
 router = APIRouter()
 
 
 @router.post("/v1/responses")
-async def create_response(request: Request, body: Annotated[dict[str, Any], Depends(json_object)]) -> Response:
+async def create_response(request: Request, body: Annotated[dict[str, Any], Depends(openai_request_object)]) -> Response:
     return await request.app.state.gateway.responses.create(request, body)
 
 

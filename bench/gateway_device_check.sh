@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issues 38 and 37 in one GPU-machine call (16 cores there, against the dev VM's 2):
+#  1. bench/serving_pair.py: this tree's gateway + worker against 798cfba's (carried as .before:
+#     `git archive 798cfba | tar -x -C .before`), alternately, 2 runs each;
+#  2. bench/gateway_flood.py: the flood of the worst bodies for SECONDS (default 45) with the gateway's
+#     body checker processes (default 2), then with none (checked in a thread), on a redis-server of its own.
+#   run (repo root, .whl from bench/fetch_device_wheels.sh):  bash bench/gateway_device_check.sh [SECONDS]
+set -uo pipefail
+. bench/device_env.sh
+secs=${1:-45}
+nproc; nvidia-smi --query-gpu=name --format=csv,noheader
+echo "== serving pair"
+python3 bench/serving_pair.py --tree . --against .before --pairs 2 --max-wall-s 300 --out $OUT 2>&1 | tail -16
+redis-server --port 6379 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes >/dev/null
+python3 -c "import redis, time
+for _ in range(100):
+    try: redis.Redis(port=6379).ping(); break
+    except redis.ConnectionError: time.sleep(0.1)"
+for checkers in 2 0; do
+  echo "== flood, body_check_processes=$checkers"
+  python3 bench/gateway_flood.py --seconds "$secs" --clients 4 --checkers $checkers \
+    --out $OUT/gateway_flood_checkers$checkers.json > $OUT/gateway_flood_checkers$checkers.log 2>&1 || tail -20 $OUT/gateway_flood_checkers$checkers.log
+  python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))" $OUT/gateway_flood_checkers$checkers.json
+done
