@@ -32,7 +32,8 @@ class GatewaySettings(BaseSettings):
     tenant_limits_file: Path | None = None  # the same mapping as a JSON file, its entries over tenant_limits'
     max_queue_depth: int | None = Field(None, ge=1)  # jobs of one model waiting for a worker; past it: 429
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    # processes that judge a body over 256 kB (counted, parsed) before the gateway parses it; 0: a thread
+    # processes that judge a body over 256 kB or of over 1,024 arrays/objects (counted, parsed, list bounds)
+    # before the gateway parses it; 0: judged in a thread
     body_check_processes: int = Field(2, ge=0)
     # completions one request may ask for: its prompts times n (each prompt is a job of n samples); past
     # it a 400 naming both numbers, before a single job is queued

@@ -67,7 +67,7 @@ class StreamLeases:
         return keys.stream_leases(), {j: _ms() + self.held_ms for j in job_ids}
 
     def hold(self, job_ids: list[str]) -> None:
-        """This gateway's client is connected to a stream of these jobs: renew their leases until ``ended``."""
+        """This gateway's client is connected to a stream of these jobs: renew their leases until ``finish`` or ``left``."""
         self._held.update(job_ids)
         self._finished.difference_update(job_ids)
 
