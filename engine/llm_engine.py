@@ -95,6 +95,9 @@ class EngineCore:
         self._awaiting_grammar: dict[str, _CoreRequest] = {}
         self.runner.warm_up()
         freeze_startup_heap()
+        from pagestream.engine.structured_output import warm_up_backend
+
+        self.grammar_warm_up = warm_up_backend(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
 
     @property
     def max_model_len(self) -> int:

@@ -19,6 +19,31 @@ _LAZY = {
 }
 
 
+def warm_up_backend(tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    """Import xgrammar and build the model's tokenizer table on a daemon thread, so the first constrained
+    request finds both ready (~0.3 s of import and ~0.2 s of table for SmolLM2 on one core, which on the
+    step thread held every request of the batch back). Returns the thread, or None without xgrammar."""
+    import importlib.util
+    import threading
+
+    if importlib.util.find_spec("xgrammar") is None:
+        return None
+
+    def warm() -> None:
+        try:
+            from pagestream.engine.structured_output.backend_xgrammar import tokenizer_info
+
+            tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        except Exception:  # the first constrained request builds it again and reports what fails
+            import logging
+
+            logging.getLogger(__name__).debug("structured outputs warm-up failed", exc_info=True)
+
+    thread = threading.Thread(target=warm, name="grammar-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:

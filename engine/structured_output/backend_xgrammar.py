@@ -43,6 +43,31 @@ def _compiler_message(exc: BaseException) -> str:
     return text.replace("Check failed: (error.empty()) is false: ", "")
 
 
+# xgrammar's tokenizer table (~0.2 s for a 49k vocabulary, on the calling thread) per tokenizer, vocab_size and
+# stop ids: built once per process, by the engine's warm-up thread at start (warm_up_backend) rather than on the
+# step thread under the first constrained request, where it stalled every request in the batch (issue 37, acc. 3)
+_TOKENIZER_INFOS: OrderedDict[tuple, tuple[Any, xgr.TokenizerInfo]] = OrderedDict()
+_TOKENIZER_INFOS_LOCK = threading.Lock()
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None) -> xgr.TokenizerInfo:
+    """The model's ``xgr.TokenizerInfo``, cached: a second engine on the same tokenizer files (or a caller racing the
+    warm-up thread, which then waits for it) gets the same table."""
+    name = getattr(tokenizer, "name_or_path", None)
+    key = (name if isinstance(name, str) and name else id(tokenizer), len(tokenizer), vocab_size,
+           tuple(stop_token_ids or ()))
+    with _TOKENIZER_INFOS_LOCK:
+        hit = _TOKENIZER_INFOS.get(key)
+        if hit is None:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                      stop_token_ids=stop_token_ids or None)
+            hit = _TOKENIZER_INFOS[key] = (tokenizer, info)  # the tokenizer kept: an id() key stays its own
+            while len(_TOKENIZER_INFOS) > 8:
+                _TOKENIZER_INFOS.popitem(last=False)
+        _TOKENIZER_INFOS.move_to_end(key)
+        return hit[1]
+
+
 def choice_grammar(choices: tuple[str, ...]) -> str:
     """EBNF accepting exactly one of ``choices`` (each a JSON-escaped EBNF string literal)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -57,8 +82,7 @@ class XgrammarBackend:
         if cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {cache_size}")
         self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None)
+        self.tokenizer_info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         # xgrammar's own cache is off: ours is keyed by the spec, bounded, and counts
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="grammar-compile")
