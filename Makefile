@@ -58,7 +58,7 @@ demo: install
 # fixtures start once); PYTEST_WORKERS=0 runs them in this process, one after another
 # (0 by default until a whole xdist run is seen green on a fresh clone: try PYTEST_WORKERS=3)
 PYTEST_WORKERS ?= 0
-PYTEST_ARGS := -q -p no:cacheprovider --durations=40 $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile,)
+PYTEST_ARGS := -q -p no:cacheprovider --durations=40 $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder,)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -22,6 +22,11 @@ if _XDIST_WORKER.startswith("gw") and os.environ.get("PAGESTREAM_TEST_XDIST_DB")
     os.environ["PAGESTREAM_TEST_REDIS_DB"] = str(int(os.environ.get("PAGESTREAM_TEST_REDIS_DB", "9"))
                                                  + int(_XDIST_WORKER[2:]))
     os.environ["PAGESTREAM_TEST_XDIST_DB"] = _XDIST_WORKER
+if _XDIST_WORKER.startswith("gw"):
+    # xdist's processes (and the workers and gateways they start, which inherit this) share the
+    # machine's cores: one torch thread each. Two OpenMP threads per process spin-wait for each other
+    # on an oversubscribed 2-core machine, and a SmolLM2 test took 4x its serial time.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Without a GPU the Triton kernels run in the interpreter. It must be chosen before
 # anything imports triton (triton builds its own @jit helpers at first import).
@@ -51,6 +56,39 @@ except ImportError:  # a producer-only install without the dev extra
 REDIS_HOST = os.environ.get("PAGESTREAM_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("PAGESTREAM_TEST_REDIS_PORT", "6379"))
 REDIS_DB = int(os.environ.get("PAGESTREAM_TEST_REDIS_DB", "9"))
+
+
+# How `make test` spreads tests over xdist processes (`-n N --dist loadgroup --no-loadscope-reorder`):
+# a file's tests go to one process together, so its module fixtures (servers, models) start once,
+# except in the files of _SPLIT, whose tests are independent and take up to minutes of CPU each: there
+# every test is a unit of its own. Units are handed out costliest first (the longest-processing-time
+# rule), so no long one starts last and leaves the other processes idle; _COST is each file's seconds
+# in a full xdist run (BENCHMARKS.md, "Test time"), and only its order matters. A file not listed
+# costs 0 and keeps its place in collection order.
+_SPLIT = {"test_engine_parity", "test_structured_engine", "test_structured_output", "test_queue_e2e",
+          "test_properties", "test_kernels"}
+_COST = {"test_engine_parity": 1291, "test_structured_engine": 954, "test_queue_e2e": 616, "test_tool_calls": 433,
+         "test_structured_output": 367, "test_gateway_failures": 366, "test_properties": 188, "test_kernels": 160,
+         "test_bulk_e2e": 151, "test_responses": 146, "test_tensor_parallel": 134, "test_http_fuzz": 131,
+         "test_engine_process": 107, "test_gateway_smollm2": 95, "test_bulk_faults": 87, "test_tenant_limits": 83,
+         "test_bulk": 82, "test_layout": 79, "test_ops_cli": 76, "test_batch_lines": 74, "test_clients_tools": 72,
+         "test_serve": 69, "test_bulk_hostile": 68, "test_model_families": 66, "test_security": 64}
+
+
+def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            module = item.module.__name__.rpartition(".")[2]
+            item.add_marker(pytest.mark.xdist_group(item.nodeid if module in _SPLIT else module))
+
+    def cost(item) -> tuple:
+        module = item.module.__name__.rpartition(".")[2]
+        # within a split file, its slow-marked tests (SmolLM2) first
+        return (-_COST.get(module, 0), module in _SPLIT and item.get_closest_marker("slow") is None)
+
+    items.sort(key=cost)  # stable: a file's tests keep their order
 
 
 def pytest_generate_tests(metafunc):

@@ -138,7 +138,7 @@ def test_connections_past_the_cap_get_a_503_and_the_gateway_recovers(gw):
 
 
 
-def test_health_answers_within_100_ms_while_bodies_of_a_million_objects_are_parsed(gw):
+def test_health_is_not_held_while_bodies_of_a_million_objects_are_parsed(gw):
     """A 3.9 MB body of a million ``{}`` took ~1.3 s to parse and check on the event loop, and /health
     waited that long (~1 s); now bodies past 256 KiB are checked in a worker thread and one of more than
     100,000 arrays/objects is refused before it is built: /health answers at once, the body gets a 400."""
@@ -167,7 +167,9 @@ def test_health_answers_within_100_ms_while_bodies_of_a_million_objects_are_pars
     poster.join()
     assert answers == [(400, "invalid_request_error")] * 9
     assert len(latencies) > 10
-    assert max(latencies) < 0.1, sorted(latencies)[-5:]
+    # a body parsed on the loop holds /health ~1.3 s, once per body; 0.5 s leaves room for a loaded machine
+    # (make test runs 3 xdist processes on 2 cores). The flood bench measures the p99 (BENCHMARKS.md).
+    assert max(latencies) < 0.5, sorted(latencies)[-5:]
 
 
 def test_braces_inside_strings_are_not_counted_as_containers(gw):
