@@ -132,3 +132,28 @@ def test_the_limits_are_checked(tiny_llama_dir):
         with pytest.raises(ValueError, match="must be a number >= 0"):
             EngineConfig(model=tiny_llama_dir, **bad)
     EngineConfig(model=tiny_llama_dir, grammar_step_limit_ms=0, grammar_request_limit_s=0)  # 0: no limit
+
+
+EXIT_AT_ONCE = r"""
+import atexit, sys
+from pagestream import LLM
+llm = LLM(sys.argv[1], device="cpu", num_kv_blocks=16)
+warm = llm.llm_engine.core.grammar_warm_up
+# atexit runs after the interpreter has waited for its non-daemon threads and before C++ statics go
+atexit.register(lambda: print("warm-up alive at exit:", warm is not None and warm.is_alive(), flush=True))
+"""
+
+
+def test_a_script_that_builds_an_engine_and_exits_at_once_exits_cleanly(tiny_llama_dir):
+    # The grammar warm-up thread (xgrammar's import and tokenizer table, ~0.5 s) was a daemon: a script that
+    # exited while it ran could die of SIGABRT ("terminate called without an active exception") after its
+    # work was done, as CI's offline hub-id script did. The process now waits for it.
+    import subprocess
+    import sys
+
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", EXIT_AT_ONCE, tiny_llama_dir], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "terminate called" not in proc.stderr
+        assert "warm-up alive at exit: False" in proc.stdout, proc.stdout

@@ -20,9 +20,14 @@ _LAZY = {
 
 
 def warm_up_backend(tokenizer, vocab_size: int, stop_token_ids: list[int]):
-    """Import xgrammar and build the model's tokenizer table on a daemon thread, so the first constrained
+    """Import xgrammar and build the model's tokenizer table on a background thread, so the first constrained
     request finds both ready (~0.3 s of import and ~0.2 s of table for SmolLM2 on one core, which on the
-    step thread held every request of the batch back). Returns the thread, or None without xgrammar."""
+    step thread held every request of the batch back). Returns the thread, or None without xgrammar.
+
+    The thread is not a daemon: a script that builds an engine and exits at once waits for it (under a
+    second) at interpreter exit. As a daemon, it could still be inside xgrammar's C++ when the process tore
+    down that library's statics, and the process died of ``terminate called without an active exception``
+    (SIGABRT) after its work was done."""
     import importlib.util
     import threading
 
@@ -39,7 +44,7 @@ def warm_up_backend(tokenizer, vocab_size: int, stop_token_ids: list[int]):
 
             logging.getLogger(__name__).debug("structured outputs warm-up failed", exc_info=True)
 
-    thread = threading.Thread(target=warm, name="grammar-warm-up", daemon=True)
+    thread = threading.Thread(target=warm, name="grammar-warm-up", daemon=False)
     thread.start()
     return thread
 
