@@ -63,7 +63,7 @@ REDIS_DB = int(os.environ.get("PAGESTREAM_TEST_REDIS_DB", "9"))
 # except in the files of _SPLIT, whose tests are independent and take up to minutes of CPU each: there
 # every test is a unit of its own. Units are handed out costliest first (the longest-processing-time
 # rule), so no long one starts last and leaves the other processes idle; _COST is each file's seconds
-# in a full xdist run (BENCHMARKS.md, "Test time"), and only its order matters. A file not listed
+# in a full xdist run (BENCHMARKS.md, "Test time", has the serial figures), and only its order matters. A file not listed
 # costs 0 and keeps its place in collection order.
 _SPLIT = {"test_engine_parity", "test_structured_engine", "test_structured_output", "test_queue_e2e",
           "test_properties", "test_kernels"}
