@@ -41,11 +41,11 @@ def bucket(s3, request):
 
 
 def rq_burst(url: str) -> None:
-    from rq import SimpleWorker
+    from pagestream.producer.bulk.rq_queue import BulkWorker
 
     conn = redis.Redis.from_url(url)
     q = bulk_queue(conn)
-    SimpleWorker([q], connection=conn, serializer=q.serializer, job_class=q.job_class).work(burst=True)
+    BulkWorker([q], connection=conn, serializer=q.serializer, job_class=q.job_class).work(burst=True)
 
 
 def write_input(path, n: int, bad_every: int = 0) -> dict[str, str]:
@@ -549,3 +549,29 @@ def test_removed_guided_fields_in_a_line_name_their_replacement_as_the_gateway_d
     bad = parse_line(json.dumps(line), 1)
     assert isinstance(bad, BadLine) and bad.custom_id == "g1", bad
     assert "guided_json was removed (as in vLLM); use structured_outputs.json" in bad.reason
+
+
+def test_a_bulk_worker_exits_at_once_when_its_command_listener_reads_the_unsubscribe_first(redis_url):
+    """RQ 3.0 stops its command listener by sending UNSUBSCRIBE, then clearing the thread's run flag. On a busy
+    machine the listener can read the reply in between and go back to wait 60 s for a subscription, and the
+    worker's exit (a ``--burst`` run's too) waited that minute out. The pause below is that busy machine: the
+    worker's thread descheduled right after sending UNSUBSCRIBE."""
+    from pagestream.producer.bulk.rq_queue import BulkWorker
+
+    conn = redis.Redis.from_url(redis_url)
+    q = bulk_queue(conn)
+    worker = BulkWorker([q], connection=conn, serializer=q.serializer, job_class=q.job_class)
+    worker.subscribe()
+    time.sleep(0.2)  # the listener is blocked reading its subscription
+    send = worker.pubsub.unsubscribe
+
+    def send_then_lose_the_cpu(*args, **kwargs):
+        out = send(*args, **kwargs)
+        time.sleep(0.5)
+        return out
+
+    worker.pubsub.unsubscribe = send_then_lose_the_cpu
+    t0 = time.monotonic()
+    worker.unsubscribe()
+    assert time.monotonic() - t0 < 5, "the worker's exit waited out its command listener"
+    assert not worker.pubsub_thread.is_alive()

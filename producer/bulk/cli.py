@@ -18,8 +18,8 @@ from typing import Optional
 
 import redis
 import typer
-from rq import SimpleWorker
 
+from pagestream.producer.bulk.rq_queue import BulkWorker
 from pagestream.producer.bulk.api import BULK_QUEUE, BulkStatus, cancel_bulk, dumps_status, get_bulk, list_bulks, rescue_stalled, submit_bulk
 from pagestream.producer.protocol.redaction import install_log_redaction
 from pagestream.producer.bulk.storage import is_s3, local_path
@@ -250,11 +250,8 @@ def bulk_worker(
         stop.set()
 
 
-class _BulkWorker(SimpleWorker):
-    """SimpleWorker that remembers whether it stopped on request (a signal) or on an error.
-
-    SimpleWorker: the orchestrator is I/O bound and holds no GPU, and a single process
-    means kill -9 takes the orchestrator with it (no orphaned work horse)."""
+class _BulkWorker(BulkWorker):
+    """``BulkWorker`` that remembers whether it stopped on request (a signal) or on an error."""
 
     stop_requested = False
 

@@ -14,7 +14,7 @@ Plain ``rq`` works too when told the same: ``rq worker pagestream-bulk
 from __future__ import annotations
 
 import redis
-from rq import Queue
+from rq import Queue, SimpleWorker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -28,6 +28,34 @@ BULK_QUEUE = "pagestream-bulk"
 RUN_BULK_FUNC = "pagestream.producer.bulk.orchestrator.run_bulk"
 #: every function a bulk-queue job may name
 ALLOWED_FUNCS = frozenset({RUN_BULK_FUNC})
+
+
+class BulkWorker(SimpleWorker):
+    """The bulk queue's RQ worker: a ``SimpleWorker`` (the orchestrator is I/O bound and holds no GPU, and one
+    process means kill -9 takes the orchestrator with it) whose exit does not wait out its pub/sub listener.
+
+    RQ 3.0 listens for worker commands on a redis-py thread that waits up to 60 s per ``get_message``, and
+    stops it by sending UNSUBSCRIBE, then clearing the thread's run flag and joining it. If the thread reads
+    the UNSUBSCRIBE reply before the flag is cleared, it goes back to wait 60 s for a subscription that never
+    comes, and the join (no timeout in redis-py 8.2's ``stop``) holds the worker's exit, a ``--burst`` run
+    included, for that minute. Here the flag is cleared first, so the reply ends the thread, and the join is
+    bounded."""
+
+    def unsubscribe(self):
+        thread = self.pubsub_thread
+        if thread is None:
+            return
+        self.log.info("Worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
+        # the run flag cleared before the UNSUBSCRIBE reply can wake the thread, so it then leaves its loop
+        try:
+            thread.stop(timeout=0)
+        except TypeError:  # redis-py before 8: stop() only clears the flag
+            thread.stop()
+        try:
+            self.pubsub.unsubscribe()
+        finally:
+            thread.join(timeout=2)
+            self.pubsub.close()
 
 
 class UnsafeJobError(RuntimeError):
