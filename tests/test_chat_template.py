@@ -219,3 +219,20 @@ def test_bulk_lines_carry_the_prompt_options_and_refuse_a_request_template():
     assert req.body.template_options() == {"add_generation_prompt": False, "chat_template_kwargs": {"enable_thinking": False}}
     refused = parse_line(json.dumps({**line, "body": {**line["body"], "chat_template": SHOUT}}), 2)
     assert isinstance(refused, BadLine) and "chat_template in batch lines is not supported" in refused.reason
+
+    from pagestream.producer.bulk.orchestrator import bulk_job
+    from pagestream.producer.bulk.api import BulkSpec
+
+    spec = BulkSpec(bulk_id="batch_ct", input="/in.jsonl", output="/out")
+    job = JobRequest(**bulk_job(req, spec))  # what the worker gets for the line
+    assert job.add_generation_prompt is False and job.chat_template_kwargs == {"enable_thinking": False}
+    reserved = parse_line(json.dumps({**line, "body": {**line["body"], "chat_template_kwargs": {"tools": []}}}), 3)
+    bad = bulk_job(reserved, spec)
+    assert isinstance(bad, BadLine) and "may not set 'tools'" in bad.reason
+
+
+def test_the_engine_and_the_producer_reserve_the_same_template_arguments():
+    from pagestream.engine.input_processor import RESERVED_TEMPLATE_ARGS as ENGINE
+    from pagestream.producer.protocol.chat_template import RESERVED_TEMPLATE_ARGS as PRODUCER
+
+    assert ENGINE == PRODUCER
