@@ -11,6 +11,13 @@ from typing import Any
 
 from pagestream.engine.sampling_params import SamplingParams
 
+#: the arguments of ``apply_chat_template`` itself, which ``chat_template_kwargs`` may not set (the producer's
+#: ``producer.protocol.chat_template.RESERVED_TEMPLATE_ARGS`` is the same list; the engine imports no producer code)
+RESERVED_TEMPLATE_ARGS = ("messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                          "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+                          "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                          "tokenizer_kwargs")
+
 
 @dataclass(slots=True)
 class EngineLimits:
@@ -90,7 +97,12 @@ class InputProcessor:
             raise ValueError("resume_token_ids is only supported with n == 1")
         return ids, resume, params
 
-    def chat_token_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def chat_token_ids(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
+                       continue_final_message: bool = False, chat_template: str | None = None,
+                       chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt of a conversation: transformers' ``apply_chat_template`` with vLLM's options (the model's
+        template, or ``chat_template``; ``chat_template_kwargs`` as extra template variables). ``ValueError`` for
+        anything the request got wrong, a template that fails to render included (that request fails alone)."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.model} has no tokenizer, so no chat template")
         if not isinstance(messages, list) or not messages:
@@ -98,14 +110,31 @@ class InputProcessor:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError("chat_template must be a string (a Jinja template)")
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(set(extra) & set(RESERVED_TEMPLATE_ARGS))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}: it is an argument of the template call itself")
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(f"the tokenizer of {self.model} has no chat template")
-        kw = {}
+        kw: dict[str, Any] = {}
         if tools:
-            if not template_has_tools(self.tokenizer):
-                raise ValueError(f"the chat template of {self.model} has no tool format (it never reads `tools`)")
+            has_tools = ("tools" in chat_template) if chat_template is not None else template_has_tools(self.tokenizer)
+            if not has_tools:
+                which = "the request's chat template" if chat_template is not None else f"the chat template of {self.model}"
+                raise ValueError(f"{which} has no tool format (it never reads `tools`)")
             kw["tools"] = tools
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
+        if chat_template is not None:
+            kw["chat_template"] = chat_template
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     continue_final_message=continue_final_message, tokenize=True,
+                                                     **kw, **extra)
+        except Exception as exc:  # raise_exception(), a syntax error, an undefined name, a sandbox refusal...
+            raise ValueError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from exc
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
@@ -117,12 +146,21 @@ class ChatRequests:
 
     inputs: InputProcessor
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return self.inputs.chat_token_ids(messages, tools)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return self.inputs.chat_token_ids(messages, tools, add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message, chat_template=chat_template,
+                                          chat_template_kwargs=chat_template_kwargs)
 
     def add_chat_request(self, request_id: str, messages: list[dict], params: SamplingParams | None = None,
-                         tools: list[dict] | None = None, **kwargs) -> None:
-        self.add_request(request_id, prompt_token_ids=self.apply_chat_template(messages, tools), params=params, **kwargs)
+                         tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
+                         continue_final_message: bool = False, chat_template: str | None = None,
+                         chat_template_kwargs: dict[str, Any] | None = None, **kwargs) -> None:
+        ids = self.apply_chat_template(messages, tools, add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message, chat_template=chat_template,
+                                       chat_template_kwargs=chat_template_kwargs)
+        self.add_request(request_id, prompt_token_ids=ids, params=params, **kwargs)
 
 
 def template_has_tools(tokenizer) -> bool | None:

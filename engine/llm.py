@@ -46,11 +46,20 @@ class LLM:
         messages: list[dict] | Seq[list[dict]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {'role', 'content'}) or a list of them, through the chat template."""
+        """One conversation (a list of {'role', 'content'}) or a list of them, through the chat template: the
+        model's, or ``chat_template`` (a Jinja string); the other options as vLLM's ``LLM.chat`` takes them
+        (``chat_template_kwargs``: extra variables for the template, e.g. ``{"enable_thinking": False}``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         engine = self.llm_engine
-        inputs = [(None, engine.apply_chat_template(conv)) for conv in conversations]
+        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+        inputs = [(None, engine.apply_chat_template(conv, tools, **options)) for conv in conversations]
         return self._run(inputs, sampling_params, use_tqdm, None)
 
     def _run(self, inputs, sampling_params, use_tqdm, priority) -> list[RequestOutput]:

@@ -25,7 +25,10 @@ class Engine(Protocol):
         """Queue a request; ``ValueError`` at once when it cannot run (the job fails alone)."""
 
     def add_chat_request(self, request_id: str, messages: list[dict], params: SamplingParams | None = None,
-                         **kwargs: Any) -> None: ...
+                         **kwargs: Any) -> None:
+        """A conversation through the chat template; ``kwargs`` may hold ``tools`` and vLLM's template options
+        (``add_generation_prompt``, ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``) besides
+        ``add_request``'s; ``ValueError`` for a conversation or template that cannot render."""
 
     def abort_request(self, request_id: str) -> Any: ...
 

@@ -48,7 +48,14 @@ class FakeTokenizer:
         return [f"<{i}>" for i in ids]
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, tools: list[dict] | None = None):
+                            continue_final_message: bool = False, tools: list[dict] | None = None,
+                            chat_template: str | None = None, **template_kwargs):
+        if chat_template is not None:  # a request's own template: rendered as transformers does, sandboxed
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            text = ImmutableSandboxedEnvironment().from_string(chat_template).render(
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
+            return self.encode(text) if tokenize else text
         text = " ".join(f"{m['role']}: {m['content']}" for m in messages)
         if tools:
             text = "tools: " + " ".join(t["function"]["name"] for t in tools) + " " + text
@@ -114,8 +121,16 @@ class FakeEngine:
         self._waiting[request_id] = _Req(request_id, ids, params, key, outputs, blocks, priority, [False] * params.n)
 
     def add_chat_request(self, request_id: str, messages: list[dict], params: SamplingParams | None = None,
-                         tools: list[dict] | None = None, **kw) -> None:
-        self.add_request(request_id, prompt=self.tokenizer.apply_chat_template(messages, tools=tools), params=params, **kw)
+                         tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
+                         continue_final_message: bool = False, chat_template: str | None = None,
+                         chat_template_kwargs: dict | None = None, **kw) -> None:
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                        continue_final_message=continue_final_message,
+                                                        chat_template=chat_template, **(chat_template_kwargs or {}))
+        except Exception as exc:  # as the real engine: a template that cannot render fails its request alone
+            raise ValueError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from exc
+        self.add_request(request_id, prompt=prompt, params=params, **kw)
 
     def abort_request(self, request_id: str) -> None:
         req = self._running.pop(request_id, None) or self._waiting.pop(request_id, None)

@@ -262,6 +262,10 @@ class Intake:
             if j.messages is not None:
                 if j.tools:
                     kw["tools"] = j.tools
+                # vLLM's chat-template options, only those the job sets (an engine without them still serves the rest)
+                for name in ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs"):
+                    if getattr(j, name) is not None:
+                        kw[name] = getattr(j, name)
                 self.engine.add_chat_request(j.job_id, [m.model_dump(exclude_none=True) for m in j.messages], **kw)
             elif j.prompt_token_ids is not None:
                 self.engine.add_request(j.job_id, prompt_token_ids=j.prompt_token_ids, **kw)

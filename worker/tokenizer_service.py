@@ -13,6 +13,7 @@ from typing import Any
 import redis
 
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.chat_template import check_chat_template, check_template_kwargs
 from pagestream.producer.protocol.tokenization import (REPLY_TTL_S, TokenizerCall, TokenizerOp, error_reply,
                                                        ok_reply)
 
@@ -50,11 +51,14 @@ def answer(tokenizer, call: TokenizerCall) -> dict[str, Any]:
     if call.op is TokenizerOp.TOKENIZE_CHAT:
         # vLLM renders the template to text, then encodes it (add_special_tokens defaults to false: the
         # template already holds the special tokens)
-        tools = {"tools": a["tools"]} if a.get("tools") else {}
+        kw: dict[str, Any] = {"tools": a["tools"]} if a.get("tools") else {}
+        if a.get("chat_template") is not None:
+            kw["chat_template"] = check_chat_template(a["chat_template"])
+        extra = check_template_kwargs(a["chat_template_kwargs"]) if a.get("chat_template_kwargs") else {}
         text = tokenizer.apply_chat_template(a["messages"], tokenize=False,
                                              add_generation_prompt=bool(a.get("add_generation_prompt", True)),
                                              continue_final_message=bool(a.get("continue_final_message", False)),
-                                             **tools)
+                                             **kw, **extra)
         add_special = bool(a.get("add_special_tokens", False))
     else:
         text = a.get("prompt")

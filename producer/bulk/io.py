@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pagestream.producer.protocol.chat_template import template_options
 from pagestream.producer.protocol.errors import RequestError
 from pagestream.producer.protocol.openai import (
     CHAT_URL,
@@ -75,6 +76,20 @@ class RequestBody(BaseModel):
     # line whose tools are silently dropped
     tools: Any = None
     tool_choice: Any = None
+    # vLLM's chat-template options (producer.protocol.chat_template; the job schema checks the kwargs); a template
+    # sent with the line is refused: nothing in a bulk says whether its submitter is trusted with one
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _no_request_template(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("chat_template in batch lines is not supported (the gateway's /v1/chat/completions "
+                             "takes it when started with --trust-request-chat-template)")
+        return v
 
     @field_validator("tools", "tool_choice")
     @classmethod
@@ -125,7 +140,14 @@ class RequestBody(BaseModel):
             raise ValueError("exactly one of 'prompt' or 'messages' is required")
         if self.messages is not None and not self.messages:
             raise ValueError("'messages' must not be empty")
+        if self.messages is None and self.template_options():
+            raise ValueError("add_generation_prompt, continue_final_message and chat_template_kwargs are chat fields "
+                             "(they need 'messages')")
         return self
+
+    def template_options(self) -> dict[str, Any]:
+        """The job fields of the line's chat-template options (those not at their default)."""
+        return template_options(self.add_generation_prompt, self.continue_final_message, None, self.chat_template_kwargs)
 
     def sampling(self) -> dict[str, Any]:
         """Sampling fields the line set, as the job schema names them (``max_tokens`` only if given)."""

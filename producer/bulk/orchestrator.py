@@ -119,6 +119,7 @@ def bulk_job(req: BulkRequest, spec: BulkSpec) -> dict[str, Any] | BadLine:
     )
     if req.is_chat:
         fields["messages"] = req.messages()
+        fields.update(body.template_options())  # the job schema checks the kwargs (bounds, reserved keys)
     else:
         fields["prompt"] = body.prompt
     try:

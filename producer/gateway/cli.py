@@ -26,15 +26,21 @@ EnableAutoToolChoice = typer.Option(False, "--enable-auto-tool-choice", envvar="
                                     help="answer tool_choice 'auto' (vLLM's flag; needs --tool-call-parser)")
 ToolCallParser = typer.Option(None, "--tool-call-parser", envvar="PAGESTREAM_GATEWAY_TOOL_CALL_PARSER", show_envvar=True,
                               show_default="none", help="how the model writes tool calls: hermes | llama3_json | mistral")
+TrustRequestChatTemplate = typer.Option(False, "--trust-request-chat-template",
+                                        envvar="PAGESTREAM_GATEWAY_TRUST_REQUEST_CHAT_TEMPLATE", show_envvar=True,
+                                        help="render a chat_template sent with a request (vLLM's flag; refused with a "
+                                             "400 otherwise): only for clients trusted to run a template on the workers")
 
 
 def gateway_settings(redis_url: str, host: str, port: int, api_keys: str | None, max_queue_depth: int | None,
-                     enable_auto_tool_choice: bool | None = None, tool_call_parser: str | None = None):
+                     enable_auto_tool_choice: bool | None = None, tool_call_parser: str | None = None,
+                     trust_request_chat_template: bool | None = None):
     """``GatewaySettings`` from the environment with the command line's options on top."""
     from pagestream.producer.gateway.settings import GatewaySettings
 
     fields = {"redis_url": redis_url, "host": host, "port": port, "api_keys": api_keys, "max_queue_depth": max_queue_depth,
-              "enable_auto_tool_choice": enable_auto_tool_choice, "tool_call_parser": tool_call_parser}
+              "enable_auto_tool_choice": enable_auto_tool_choice, "tool_call_parser": tool_call_parser,
+              "trust_request_chat_template": trust_request_chat_template}
     return GatewaySettings(**{k: v for k, v in fields.items() if v is not None})
 
 
@@ -46,6 +52,7 @@ def gateway(
     max_queue_depth: Optional[int] = MaxQueueDepth,
     enable_auto_tool_choice: bool = EnableAutoToolChoice,
     tool_call_parser: Optional[str] = ToolCallParser,
+    trust_request_chat_template: bool = TrustRequestChatTemplate,
     log_level: str = typer.Option("INFO", "--log-level", envvar="PAGESTREAM_LOG_LEVEL", show_envvar=True, help="DEBUG | INFO | WARNING | ERROR"),
 ) -> None:
     """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) over the queue."""
@@ -54,6 +61,6 @@ def gateway(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
     settings = gateway_settings(resolve_url(redis_url), host, port, api_keys, max_queue_depth, enable_auto_tool_choice,
-                                tool_call_parser)
+                                tool_call_parser, trust_request_chat_template)
     print(f"gateway on http://{settings.host}:{settings.port}/v1 (redis {redact_url(settings.redis_url)})", flush=True)
     run(settings)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pagestream.producer.protocol.chat_template import UNTRUSTED_TEMPLATE, template_options
 from pagestream.producer.protocol.errors import RequestError
 from pagestream.producer.protocol.limits import job_limits
 from pagestream.producer.protocol.openai import ChatMessageIn, chat_logprobs_k, finish_reason, usage
@@ -249,21 +250,21 @@ class ChatCompletionRequest(OpenAIRequest):
     def tool_use(self) -> ToolUse:
         return ToolUse.resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
 
+    def template_options(self) -> dict[str, Any]:
+        """The job fields of vLLM's chat-template options (only those not at their default); the job schema
+        checks ``chat_template`` and ``chat_template_kwargs`` (bounds, reserved keys). Whether a request's own
+        template is trusted is the gateway's setting (``check_trusted_template``)."""
+        try:
+            return template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template,
+                                    self.chat_template_kwargs)
+        except ValueError as exc:  # vLLM's own check, word for word
+            raise RequestError(str(exc), param="continue_final_message") from None
+
     def job_fields(self) -> list[dict[str, Any]]:
-        if self.continue_final_message and self.add_generation_prompt:
-            # vLLM's own check, word for word in meaning
-            raise RequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                               param="continue_final_message")
-        for name in ("chat_template", "chat_template_kwargs"):
-            if getattr(self, name):
-                raise RequestError(f"{name} is not supported yet: the worker applies the model's own template",
-                                   param=name)
-        if not self.add_generation_prompt or self.continue_final_message:
-            raise RequestError("only add_generation_prompt=true is supported yet (the worker's template call)",
-                               param="add_generation_prompt")
         fields: dict[str, Any] = {
             "messages": [m.flat() for m in self.messages],
             "max_tokens": self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
+            **self.template_options(),
         }
         k = chat_logprobs_k(self.logprobs, self.top_logprobs)
         if k is not None:
@@ -283,6 +284,18 @@ class ChatCompletionRequest(OpenAIRequest):
         # the job's ``logprobs`` (a count) is chat's ``top_logprobs``
         param = OpenAIRequest.param_of(loc)
         return "top_logprobs" if param == "logprobs" else param
+
+
+def check_trusted_template(chat_template: str | None, chat_template_kwargs: dict[str, Any] | None,
+                           trusted: bool) -> None:
+    """vLLM's ``--trust-request-chat-template``: a template sent with the request (``chat_template``, or
+    ``chat_template`` inside ``chat_template_kwargs``, which vLLM reads too) is a 400 unless the gateway trusts them."""
+    if trusted:
+        return
+    if chat_template is not None:
+        raise RequestError(UNTRUSTED_TEMPLATE, param="chat_template")
+    if isinstance(chat_template_kwargs, dict) and chat_template_kwargs.get("chat_template") is not None:
+        raise RequestError(UNTRUSTED_TEMPLATE, param="chat_template_kwargs")
 
 
 #: tools one chat request may carry (OpenAI's own limit)

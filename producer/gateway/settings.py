@@ -72,6 +72,10 @@ class GatewaySettings(BaseSettings):
     # out of the model's text (producer.protocol.tool_parsers: hermes, llama3_json, mistral)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # a chat template sent with a request (``chat_template``; vLLM's --trust-request-chat-template): refused with
+    # a 400 unless set. The worker renders it in transformers' sandboxed Jinja, but a template is code a client
+    # runs on the worker (its time, its memory): trust it only from clients you trust
+    trust_request_chat_template: bool = False
 
     @field_validator("tool_call_parser")
     @classmethod

@@ -37,6 +37,10 @@ class JobLimits(BaseSettings):
     max_stop_token_ids: int = Field(256, ge=0)
     #: a job's ``structured_outputs`` (schema, regex, choices or grammar) as JSON, in UTF-8 bytes
     max_structured_output_bytes: int = Field(64 * 1024, ge=64)
+    #: a chat job's ``chat_template`` (a Jinja template sent with the request), in UTF-8 bytes
+    max_chat_template_bytes: int = Field(64 * 1024, ge=1)
+    #: a chat job's ``chat_template_kwargs`` as compact JSON, in UTF-8 bytes
+    max_chat_template_kwargs_bytes: int = Field(16 * 1024, ge=2)
     #: ``max_tokens`` (and ``min_tokens``) per sample
     max_tokens: int = Field(131_072, ge=1)
     #: samples per job
@@ -51,13 +55,14 @@ class JobLimits(BaseSettings):
 
         Worst cases: every prompt byte JSON-escaped as ``\\u00XX`` (6 bytes), ~40 bytes of
         framing per message, 11 characters per token id; plus stop strings, metadata
-        (twice: float formatting differs between serializers), a structured-output spec (escaped) and
-        64 KiB for the rest.
+        (twice: float formatting differs between serializers), a structured-output spec, a chat template
+        and its kwargs (escaped) and 64 KiB for the rest.
         """
         prompt = max(6 * self.max_prompt_bytes + 40 * self.max_messages, 11 * self.max_prompt_token_ids)
         stops = 6 * self.max_stop_strings * (self.max_stop_string_bytes + 3) + 11 * self.max_stop_token_ids
         structured = 6 * self.max_structured_output_bytes
-        return prompt + stops + 2 * self.max_metadata_bytes + structured + 64 * 1024
+        template = 6 * (self.max_chat_template_bytes + self.max_chat_template_kwargs_bytes)
+        return prompt + stops + 2 * self.max_metadata_bytes + structured + template + 64 * 1024
 
 
 @cache

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_serializer, model_validator
 
+from pagestream.producer.protocol.chat_template import BOTH_PROMPT_OPTIONS, check_chat_template, check_template_kwargs
 from pagestream.producer.protocol.limits import job_limits
 from pagestream.producer.protocol.structured import ResponseFormat, StructuredOutputs, from_response_format
 from pagestream.producer.protocol.untrusted import UntrustedJSONError, check_json_tree
@@ -265,6 +266,23 @@ class JobRequest(BaseModel):
     stream_prompt_logprobs: bool = False
     #: chat tools for the template (OpenAI's ``{"type": "function", "function": {...}}`` objects, issue 26)
     tools: list[dict[str, JsonValue]] | None = None
+    #: vLLM's chat-template options (``producer.protocol.chat_template``); None: the default (a generation
+    #: prompt, no continued final message, the model's own template, no extra template variables)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, JsonValue] | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_limits(cls, v: str | None) -> str | None:
+        return v if v is None else check_chat_template(v)
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs_limits(cls, v: Any) -> Any:
+        # before pydantic walks it: a deep tree is refused without recursing into it
+        return v if v is None else check_template_kwargs(v)
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -365,6 +383,12 @@ class JobRequest(BaseModel):
             raise ValueError("messages must not be empty")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools need messages (a chat job)")
+        options = [name for name in ("add_generation_prompt", "continue_final_message", "chat_template",
+                                     "chat_template_kwargs") if getattr(self, name) is not None]
+        if options and self.messages is None:
+            raise ValueError(f"{', '.join(options)} need messages (a chat job)")
+        if self.continue_final_message and self.add_generation_prompt is not False:
+            raise ValueError(BOTH_PROMPT_OPTIONS + " (add_generation_prompt defaults to true: set it to false)")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if self.ttl_s is not None and self.deadline is None:

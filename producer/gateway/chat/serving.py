@@ -5,7 +5,7 @@ import contextlib
 from typing import Any
 
 from pagestream.producer.gateway.chat.tools import ToolCallStream, answer_calls, check_tools
-from pagestream.producer.gateway.protocol import ChatCompletionRequest, chat_chunk
+from pagestream.producer.gateway.protocol import ChatCompletionRequest, chat_chunk, check_trusted_template
 from pagestream.producer.gateway.serving import OpenAIServing
 from pagestream.producer.protocol.openai import chat_completion_body, chat_logprobs, prompt_logprobs_body
 from pagestream.producer.protocol.schema import JobResult, TokenLogprob
@@ -36,6 +36,12 @@ class OpenAIServingChat(OpenAIServing):
         if use.active:
             answer_calls(body, {i: s.text for i, s in samples.items()} or {0: result.text}, use, self.settings)
         return body
+
+    def parse(self, data: dict[str, Any]) -> ChatCompletionRequest:
+        req = super().parse(data)
+        # before anything renders it (the context check may ask a worker's tokenizer)
+        check_trusted_template(req.chat_template, req.chat_template_kwargs, self.settings.trust_request_chat_template)
+        return req
 
     async def check_request(self, req: ChatCompletionRequest) -> None:
         if req.tools:

@@ -11,9 +11,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from pagestream.producer.gateway.errors import GatewayError
-from pagestream.producer.gateway.protocol import MAX_LISTED_ERRORS, first_error_loc
+from pagestream.producer.gateway.protocol import MAX_LISTED_ERRORS, check_trusted_template, first_error_loc
 from pagestream.producer.gateway.state import GatewayState
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.chat_template import BOTH_PROMPT_OPTIONS, check_chat_template, check_template_kwargs
 from pagestream.producer.protocol.openai import ChatMessageIn
 from pagestream.producer.protocol.schema import JobRequest, format_validation_error
 from pagestream.producer.protocol.tokenization import CALLS_TTL_S, TokenizerCall, TokenizerOp, parse_reply
@@ -93,7 +94,16 @@ class OpenAIServingTokenization:
         """A job's prompt length in tokens by a worker's tokenizer (chat: its template applied, as the
         worker applies it), or None when no worker answered in time (the engine checks at admission)."""
         if job.messages is not None:
-            op, args = TokenizerOp.TOKENIZE_CHAT, {"messages": [m.model_dump() for m in job.messages]}
+            op, args = TokenizerOp.TOKENIZE_CHAT, {"messages": [m.model_dump(exclude_none=True) for m in job.messages]}
+            if job.tools:
+                args["tools"] = job.tools
+            # the template call the worker will make (its options as the job carries them)
+            args["add_generation_prompt"] = job.add_generation_prompt is not False
+            args["continue_final_message"] = bool(job.continue_final_message)
+            if job.chat_template is not None:
+                args["chat_template"] = job.chat_template
+            if job.chat_template_kwargs:
+                args["chat_template_kwargs"] = job.chat_template_kwargs
         else:
             op, args = TokenizerOp.TOKENIZE, {"prompt": job.prompt}
         try:
@@ -108,15 +118,20 @@ class OpenAIServingTokenization:
         if "messages" in body:
             req = _parse(TokenizeChatRequest, body)
             if req.continue_final_message and req.add_generation_prompt:
-                raise GatewayError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                                   param="continue_final_message")
-            for name in ("chat_template", "chat_template_kwargs"):
-                if getattr(req, name):
-                    raise GatewayError(400, f"{name} is not supported yet: the worker applies the model's own template",
-                                       param=name)
+                raise GatewayError(400, BOTH_PROMPT_OPTIONS, param="continue_final_message")
+            # the same options, checks and trust as a chat completion's
+            check_trusted_template(req.chat_template, req.chat_template_kwargs,
+                                   self.state.settings.trust_request_chat_template)
             op = TokenizerOp.TOKENIZE_CHAT
             args = {"messages": [m.flat() for m in req.messages], "add_generation_prompt": req.add_generation_prompt,
                     "continue_final_message": req.continue_final_message}
+            for name, check in (("chat_template", check_chat_template), ("chat_template_kwargs", check_template_kwargs)):
+                value = getattr(req, name)
+                if value is not None:
+                    try:
+                        args[name] = check(value)
+                    except ValueError as exc:
+                        raise GatewayError(400, str(exc), param=name) from None
             if req.tools:
                 args["tools"] = [t.for_template() for t in req.tools]
         else:
