@@ -35,10 +35,11 @@ from pagestream.producer.protocol import keys
 from pagestream.producer.bulk.api import LEASE_S, load_spec
 from pagestream.producer.bulk.finalize import PARTS_PREFIX, UNFINISHED_PART, compact, list_parts, manifest_header, remove_parts
 from pagestream.producer.bulk.io import CHAT_URL, COMPLETIONS_URL, BadLine, BulkRequest, max_line_bytes, parse_line
-from pagestream.producer.bulk.parts import error_entry, request_id
+from pagestream.producer.bulk.parts import TOOL_ANSWER, error_entry, request_id
 from pagestream.producer.bulk.storage import StorageError, StorageSettings
 from pagestream.producer.bulk.stores import open_input, open_storage, storage_settings_for
 from pagestream.producer.client.producer import Producer
+from pagestream.producer.protocol.errors import RequestError
 from pagestream.producer.protocol.bulk import REFRESH_LEASE_LUA, BulkField, BulkSpec, BulkStatus, request_counts
 from pagestream.producer.protocol.bulk import decode as decode_bulk
 from pagestream.producer.protocol.limits import job_limits
@@ -119,6 +120,18 @@ def bulk_job(req: BulkRequest, spec: BulkSpec) -> dict[str, Any] | BadLine:
     )
     if req.is_chat:
         fields["messages"] = req.messages()
+        try:  # tools as the gateway's chat request puts them on its job, and how the output line reads calls
+            use = body.tool_use()
+            answer = use.answering(spec.tool_call_parser)
+            tool_fields = use.job_fields(body.response_format, body.structured_outputs)
+        except RequestError as exc:
+            return BadLine(req.line, exc.message, req.custom_id)
+        if "tools" in tool_fields:
+            fields["tools"] = tool_fields["tools"]
+        if "structured_outputs" in tool_fields:
+            sampling["structured_outputs"] = tool_fields["structured_outputs"]
+        if answer is not None:
+            fields["metadata"][TOOL_ANSWER] = answer.model_dump(exclude_none=True)
     else:
         fields["prompt"] = body.prompt
     try:
