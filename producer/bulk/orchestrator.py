@@ -47,6 +47,7 @@ from pagestream.producer.protocol.redis_conn import is_cluster, outage_proof, ou
 from pagestream.producer.protocol.settings import redis_url as main_redis_url
 from pagestream.producer.protocol.settings import rq_redis_url
 from pagestream.producer.protocol.schema import JobRequest, OutputTarget, format_validation_error
+from pagestream.producer.protocol.tools import no_tool_format
 from pagestream.producer.protocol.wire import as_str
 
 log = logging.getLogger(__name__)
@@ -364,20 +365,39 @@ class Orchestrator:
         return jobs, sorted(bad, key=lambda b: b.line)
 
     def _unserved(self, jobs: list[dict[str, Any]], live: set[str]) -> tuple[list[dict[str, Any]], list[BadLine]]:
-        """A Batch API bulk (``spec.served_models_only``): split off the lines no live worker can take,
-        as the gateway's chat endpoint answers 404 ``model_not_found`` from the same announcements."""
-        if not self.spec.served_models_only:
-            return jobs, []
+        """Split off the lines no live worker can answer: a Batch API bulk's (``spec.served_models_only``) lines
+        whose model no live worker announces, as the gateway's chat endpoint answers 404 ``model_not_found`` from
+        the same announcements; and any bulk's lines with tools for an announced model whose chat template has no
+        tool format, as the gateway's 400 (never a line run with its tools dropped by the template)."""
         kept, bad = [], []
+        no_tools = self._no_tool_format(jobs, live)
         for fields in jobs:
             model = fields["model"]
-            if model in live:
+            if fields.get("tools") and model in no_tools:
+                bad.append(BadLine(fields["metadata"]["bulk_line"], no_tool_format(model), fields["output"].custom_id))
+            elif model in live or not self.spec.served_models_only:
                 kept.append(fields)
-                continue
-            reason = ("the request has no model and the batch names none" if model is None else
-                      f"The model '{model}' does not exist or no worker serves it (served: {sorted(live) or 'none'})")
-            bad.append(BadLine(fields["metadata"]["bulk_line"], reason, fields["output"].custom_id, code="model_not_found"))
+            else:
+                reason = ("the request has no model and the batch names none" if model is None else
+                          f"The model '{model}' does not exist or no worker serves it (served: {sorted(live) or 'none'})")
+                bad.append(BadLine(fields["metadata"]["bulk_line"], reason, fields["output"].custom_id,
+                                   code="model_not_found"))
         return kept, bad
+
+    def _no_tool_format(self, jobs: list[dict[str, Any]], live: set[str]) -> set[str]:
+        """The announced models of lines with tools whose workers say their template never reads ``tools``."""
+        names = sorted({fields["model"] for fields in jobs if fields.get("tools") and fields["model"] in live})
+        if not names:
+            return set()
+        out = set()
+        for name, raw in zip(names, self.conn.hmget(keys.model_info(), names)):
+            try:
+                info = json.loads(raw) if raw else {}
+            except ValueError:
+                info = {}
+            if isinstance(info, dict) and info.get("chat_tools") is False:
+                out.add(name)
+        return out
 
     def _commit(self, chunk: list[tuple[int, bytes]], end_offset: int | None, out, input_done: bool = False) -> None:
         jobs, bad = self._jobs_for(chunk)

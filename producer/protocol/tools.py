@@ -29,6 +29,14 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 #: vLLM's answer to ``auto`` on a server started without a parser
 AUTO_NEEDS_PARSER = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def no_tool_format(model: str | None) -> str:
+    """The refusal of tools for a model whose workers announce a chat template that never reads ``tools``."""
+    return (f"the chat template of model '{model}' has no tool format (it never reads `tools`), "
+            "so it cannot be given tools; serve a model whose template has one")
+
+
 #: tools one chat request may carry (OpenAI's own limit)
 MAX_TOOLS = 128
 

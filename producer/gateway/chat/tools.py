@@ -14,7 +14,7 @@ from pagestream.producer.gateway.errors import GatewayError
 from pagestream.producer.gateway.protocol import ChatCompletionRequest, chat_chunk
 from pagestream.producer.gateway.settings import GatewaySettings
 from pagestream.producer.protocol.tool_parsers import ToolParser, merge_deltas
-from pagestream.producer.protocol.tools import AUTO_NEEDS_PARSER, ToolAnswer, ToolUse
+from pagestream.producer.protocol.tools import AUTO_NEEDS_PARSER, ToolAnswer, ToolUse, no_tool_format
 
 
 def check_tools(req: ChatCompletionRequest, settings: GatewaySettings, model_info: dict[str, Any]) -> None:
@@ -24,8 +24,7 @@ def check_tools(req: ChatCompletionRequest, settings: GatewaySettings, model_inf
     if use.choice == "auto" and not (settings.enable_auto_tool_choice and settings.tool_call_parser):
         raise GatewayError(400, AUTO_NEEDS_PARSER, param="tool_choice")
     if use.tools and model_info.get("chat_tools") is False:
-        raise GatewayError(400, f"the chat template of model '{req.model}' has no tool format (it never reads `tools`), "
-                           "so it cannot be given tools; serve a model whose template has one", param="tools")
+        raise GatewayError(400, no_tool_format(req.model), param="tools")
 
 
 def auto_tool_parser(settings: GatewaySettings) -> str | None:
