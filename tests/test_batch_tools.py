@@ -45,7 +45,7 @@ def test_a_tool_line_for_a_model_whose_template_has_no_tool_format_is_the_gatewa
     from pagestream.worker.routing import announce
 
     r = redis.Redis.from_url(DB_URL, decode_responses=True)
-    names = ("bt-plain", "bt-tools", "bt-unknown")
+    names, bulks = ("bt-plain", "bt-tools", "bt-unknown"), []
     try:
         announce(r, "bt-plain", 60, chat_tools=False)
         announce(r, "bt-tools", 60, chat_tools=True)
@@ -53,6 +53,7 @@ def test_a_tool_line_for_a_model_whose_template_has_no_tool_format_is_the_gatewa
         for served_only in (True, False):
             bulk_id = create_bulk(str(tmp_path / "in.jsonl"), str(tmp_path / f"out-{served_only}"), connection=r,
                                   served_models_only=served_only)
+            bulks.append(bulk_id)
             orch = Orchestrator(r, bulk_id)
             lines = [(m, t) for m in names for t in (True, False)]
             jobs = [bulk_job(parse_line(json.dumps(_line(f"{m}-{t}", {
@@ -67,6 +68,9 @@ def test_a_tool_line_for_a_model_whose_template_has_no_tool_format_is_the_gatewa
     finally:
         r.zrem(keys.model_registry(), *names)
         r.hdel(keys.model_info(), *names)
+        for bulk_id in bulks:
+            r.delete(keys.bulk_hash(bulk_id))
+            r.zrem(keys.bulk_index(), bulk_id)
         r.close()
 
 
