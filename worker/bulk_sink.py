@@ -25,14 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from pydantic import ValidationError
 
 from pagestream.producer.protocol import job as job_hash
 from pagestream.producer.protocol import keys
-from pagestream.producer.bulk.parts import PartEntry, line_of_job_id, result_entry
+from pagestream.producer.bulk.parts import TOOL_ANSWER, PartEntry, line_of_job_id, result_entry
 from pagestream.producer.bulk.storage import StorageError, StorageSettings
 from pagestream.producer.bulk.stores import Storage, open_storage, storage_settings_for
 from pagestream.producer.protocol.bulk import COUNT_LUA, BulkField, BulkSpec, BulkStatus
 from pagestream.producer.protocol.redis_conn import Backoff
+from pagestream.producer.protocol.tools import ToolAnswer
 from pagestream.producer.protocol.wire import as_str
 
 log = logging.getLogger(__name__)
@@ -82,12 +84,19 @@ class BulkSink:
         error = getattr(result, "error", None)
         if error is None and status not in (None, "completed"):
             error = f"job ended as {status}"
-        line = (getattr(job, "metadata", None) or {}).get("bulk_line")
+        metadata = getattr(job, "metadata", None) or {}
+        line = metadata.get("bulk_line")
         if line is None:
             try:
                 line = line_of_job_id(job.job_id)
             except (IndexError, ValueError):
                 line = 0  # a salvaged stub without its line: compaction keys on (line, custom_id)
+        tools = None
+        if error is None and metadata.get(TOOL_ANSWER) is not None:
+            try:  # how the line's text is read as calls; one this worker cannot read is an error line, never text
+                tools = ToolAnswer.model_validate(metadata[TOOL_ANSWER])
+            except ValidationError as exc:
+                error = f"the job's tool_choice cannot be answered by this worker: {exc.errors()[0]['msg']}"
         entry = result_entry(
             job_id=job.job_id,
             line=line,
@@ -96,6 +105,7 @@ class BulkSink:
             result=result,
             requested_model=getattr(job, "model", None),
             error=error,
+            tools=tools,
         )
         buf = self._buffers.get(target.bulk_id)
         if buf is None:

@@ -78,6 +78,7 @@ def create_bulk(
     input_file_id: str | None = None,
     metadata: dict[str, str] | None = None,
     served_models_only: bool = False,
+    tool_call_parser: str | None = None,
 ) -> str:
     """Write a bulk's status hash (status ``validating``) without enqueueing it; returns the bulk id.
 
@@ -91,6 +92,7 @@ def create_bulk(
         shard_lines=shard_lines, max_outstanding=max_outstanding, completion_window_s=completion_window_s,
         s3_endpoint_url=s3_endpoint_url, endpoint=endpoint, input_file_id=input_file_id, metadata=metadata,
         s3_region=s3_region, s3_addressing_style=s3_addressing_style, served_models_only=served_models_only,
+        tool_call_parser=tool_call_parser,
     )
     key = keys.bulk_hash(spec.bulk_id)
     if not connection.hsetnx(key, BulkField.SPEC, spec.model_dump_json()):
@@ -117,7 +119,8 @@ def submit_bulk(
     ``input`` is a local path, ``file://`` URI or ``s3://bucket/key``; ``output`` a
     local directory, ``file://`` URI or ``s3://bucket/prefix``. ``options`` are
     ``create_bulk``'s (model, lane, shard_lines, max_outstanding,
-    completion_window_s, s3_endpoint_url, s3_region, s3_addressing_style, bulk_id). Nothing is read here: the
+    completion_window_s, s3_endpoint_url, s3_region, s3_addressing_style, bulk_id, and tool_call_parser: how
+    ``tool_choice: auto`` lines' calls are read, vLLM run-batch's ``--tool-call-parser``). Nothing is read here: the
     orchestrator validates both (status ``validating``) and fails the bulk with a
     clear error if either is unusable.
     """

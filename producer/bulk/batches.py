@@ -323,9 +323,11 @@ def create_batch(
     queue_name: str = BULK_QUEUE,
     tenant: Tenant = OPEN,
     bulk_id: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> dict[str, Any]:
     """Start a bulk over an uploaded file of ``tenant``'s (``POST /v1/batches``), owned by it; returns its ``Batch``.
-    ``bulk_id``: one made by ``new_batch_id`` beforehand (the gateway counts it against the tenant's limits first)."""
+    ``bulk_id``: one made by ``new_batch_id`` beforehand (the gateway counts it against the tenant's limits first);
+    ``tool_call_parser``: the gateway's own (its chat completions' ``auto`` answers, so its batch lines' too)."""
     if endpoint not in SUPPORTED_URLS:
         raise RequestError(f"endpoint must be one of {list(SUPPORTED_URLS)}, got {endpoint!r}", param="endpoint")
     if completion_window not in COMPLETION_WINDOWS:
@@ -336,7 +338,7 @@ def create_batch(
     create_bulk(input_uri, files.storage.describe(f"batches/{bulk_id}"), connection=conn, bulk_id=bulk_id,
                 completion_window_s=COMPLETION_WINDOWS[completion_window], s3_endpoint_url=files.settings.s3_endpoint_url,
                 endpoint=endpoint, input_file_id=input_file_id, metadata=metadata,
-                served_models_only=True)
+                served_models_only=True, tool_call_parser=tool_call_parser)
     pipe = conn.pipeline()
     pipe.hset(keys.bulk_hash(bulk_id), BulkField.TENANT, tenant.name)
     pipe.zadd(keys.tenant_bulks_index(tenant.name), {bulk_id: time.time()})

@@ -21,6 +21,7 @@ import typer
 
 from pagestream.producer.bulk.rq_queue import BulkWorker
 from pagestream.producer.bulk.api import BULK_QUEUE, BulkStatus, cancel_bulk, dumps_status, get_bulk, list_bulks, rescue_stalled, submit_bulk
+from pagestream.producer.protocol.tool_parsers import TOOL_PARSERS
 from pagestream.producer.protocol.redaction import install_log_redaction
 from pagestream.producer.bulk.storage import is_s3, local_path
 from pagestream.producer.protocol.schema import Lane
@@ -68,6 +69,10 @@ def submit(
     s3_addressing_style: Optional[AddressingStyleChoice] = typer.Option(
         None, "--s3-addressing-style", envvar=list(S3_ADDRESSING_ENV), show_envvar=True,
         show_default="boto3's", help="bucket addressing (path for most MinIO set-ups)"),
+    tool_call_parser: Optional[str] = typer.Option(
+        None, "--tool-call-parser", show_default="none",
+        help=f"read the calls of tool_choice=auto lines with this parser ({', '.join(sorted(TOOL_PARSERS))}), as vLLM "
+             "run-batch's --enable-auto-tool-choice --tool-call-parser; without it an auto line is an error line"),
     wait: bool = typer.Option(False, "--wait", help="show progress and return when the bulk is final"),
 ) -> None:
     """Submit a bulk; prints its id."""
@@ -80,7 +85,8 @@ def submit(
         bulk_id = submit_bulk(input, out, connection=conn, model=model, lane=lane.value, shard_lines=shard_lines,
                               max_outstanding=max_outstanding, completion_window_s=completion_window_s,
                               s3_endpoint_url=s3_endpoint_url, s3_region=s3_region,
-                              s3_addressing_style=s3_addressing_style.value if s3_addressing_style else None)
+                              s3_addressing_style=s3_addressing_style.value if s3_addressing_style else None,
+                              tool_call_parser=tool_call_parser)
     except ValueError as exc:  # RQNeedsSingleNode too
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(bulk_id)

@@ -30,6 +30,7 @@ from pagestream.producer.protocol.openai import (
 from pagestream.producer.protocol.limits import job_limits
 from pagestream.producer.protocol.schema import MAX_LOGPROBS, format_validation_error
 from pagestream.producer.protocol.structured import removed_guided
+from pagestream.producer.protocol.tools import MAX_TOOLS, ChatTool, ToolChoice, ToolUse
 from pagestream.producer.protocol.untrusted import UntrustedJSONError, loads_untrusted
 
 SUPPORTED_URLS = (COMPLETIONS_URL, CHAT_URL)
@@ -72,10 +73,12 @@ class RequestBody(BaseModel):
     # OpenAI's logit_bias and vLLM's allowed_token_ids; the job schema checks them
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
-    # tools (issue 26) are answered by the gateway only so far: a line with them is an error line, never a
-    # line whose tools are silently dropped
-    tools: Any = None
-    tool_choice: Any = None
+    # tools (issue 26) as the gateway's chat request takes them (producer.protocol.tools): the job renders them
+    # and holds required / named to their schemas; the output line's calls are read as the gateway reads them.
+    # A /v1/completions line ignores them, as the gateway's /v1/completions does.
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's chat-template options (producer.protocol.chat_template; the job schema checks the kwargs); a template
     # sent with the line is refused: nothing in a bulk says whether its submitter is trusted with one
     add_generation_prompt: bool = True
@@ -91,14 +94,6 @@ class RequestBody(BaseModel):
                              "takes it when started with --trust-request-chat-template)")
         return v
 
-    @field_validator("tools", "tool_choice")
-    @classmethod
-    def _no_tools_yet(cls, v: Any, info) -> Any:
-        if v is not None:
-            raise ValueError(f"{info.field_name} in batch lines is not supported yet (the gateway's "
-                             "/v1/chat/completions answers it)")
-        return v
-
     @field_validator("messages")
     @classmethod
     def _text_parts_only(cls, v: list[ChatMessageIn] | None) -> list[ChatMessageIn] | None:
@@ -108,6 +103,10 @@ class RequestBody(BaseModel):
             except RequestError as exc:
                 raise ValueError(exc.message) from None
         return v
+
+    def tool_use(self) -> ToolUse:
+        """The line's tools and ``tool_choice`` resolved as the gateway resolves a chat request's (``RequestError``)."""
+        return ToolUse.resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def logprobs_k(self, url: str) -> int | None:
         """The job's ``logprobs`` (alternatives per token) as OpenAI's endpoint ``url`` spells it;

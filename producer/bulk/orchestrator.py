@@ -35,10 +35,11 @@ from pagestream.producer.protocol import keys
 from pagestream.producer.bulk.api import LEASE_S, load_spec
 from pagestream.producer.bulk.finalize import PARTS_PREFIX, UNFINISHED_PART, compact, list_parts, manifest_header, remove_parts
 from pagestream.producer.bulk.io import CHAT_URL, COMPLETIONS_URL, BadLine, BulkRequest, max_line_bytes, parse_line
-from pagestream.producer.bulk.parts import error_entry, request_id
+from pagestream.producer.bulk.parts import TOOL_ANSWER, error_entry, request_id
 from pagestream.producer.bulk.storage import StorageError, StorageSettings
 from pagestream.producer.bulk.stores import open_input, open_storage, storage_settings_for
 from pagestream.producer.client.producer import Producer
+from pagestream.producer.protocol.errors import RequestError
 from pagestream.producer.protocol.bulk import REFRESH_LEASE_LUA, BulkField, BulkSpec, BulkStatus, request_counts
 from pagestream.producer.protocol.bulk import decode as decode_bulk
 from pagestream.producer.protocol.limits import job_limits
@@ -46,6 +47,7 @@ from pagestream.producer.protocol.redis_conn import is_cluster, outage_proof, ou
 from pagestream.producer.protocol.settings import redis_url as main_redis_url
 from pagestream.producer.protocol.settings import rq_redis_url
 from pagestream.producer.protocol.schema import JobRequest, OutputTarget, format_validation_error
+from pagestream.producer.protocol.tools import no_tool_format
 from pagestream.producer.protocol.wire import as_str
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,18 @@ def bulk_job(req: BulkRequest, spec: BulkSpec) -> dict[str, Any] | BadLine:
     if req.is_chat:
         fields["messages"] = req.messages()
         fields.update(body.template_options())  # the job schema checks the kwargs (bounds, reserved keys)
+        try:  # tools as the gateway's chat request puts them on its job, and how the output line reads calls
+            use = body.tool_use()
+            answer = use.answering(spec.tool_call_parser)
+            tool_fields = use.job_fields(body.response_format, body.structured_outputs)
+        except RequestError as exc:
+            return BadLine(req.line, exc.message, req.custom_id)
+        if "tools" in tool_fields:
+            fields["tools"] = tool_fields["tools"]
+        if "structured_outputs" in tool_fields:
+            sampling["structured_outputs"] = tool_fields["structured_outputs"]
+        if answer is not None:
+            fields["metadata"][TOOL_ANSWER] = answer.model_dump(exclude_none=True)
     else:
         fields["prompt"] = body.prompt
     try:
@@ -352,20 +366,39 @@ class Orchestrator:
         return jobs, sorted(bad, key=lambda b: b.line)
 
     def _unserved(self, jobs: list[dict[str, Any]], live: set[str]) -> tuple[list[dict[str, Any]], list[BadLine]]:
-        """A Batch API bulk (``spec.served_models_only``): split off the lines no live worker can take,
-        as the gateway's chat endpoint answers 404 ``model_not_found`` from the same announcements."""
-        if not self.spec.served_models_only:
-            return jobs, []
+        """Split off the lines no live worker can answer: a Batch API bulk's (``spec.served_models_only``) lines
+        whose model no live worker announces, as the gateway's chat endpoint answers 404 ``model_not_found`` from
+        the same announcements; and any bulk's lines with tools for an announced model whose chat template has no
+        tool format, as the gateway's 400 (never a line run with its tools dropped by the template)."""
         kept, bad = [], []
+        no_tools = self._no_tool_format(jobs, live)
         for fields in jobs:
             model = fields["model"]
-            if model in live:
+            if fields.get("tools") and model in no_tools:
+                bad.append(BadLine(fields["metadata"]["bulk_line"], no_tool_format(model), fields["output"].custom_id))
+            elif model in live or not self.spec.served_models_only:
                 kept.append(fields)
-                continue
-            reason = ("the request has no model and the batch names none" if model is None else
-                      f"The model '{model}' does not exist or no worker serves it (served: {sorted(live) or 'none'})")
-            bad.append(BadLine(fields["metadata"]["bulk_line"], reason, fields["output"].custom_id, code="model_not_found"))
+            else:
+                reason = ("the request has no model and the batch names none" if model is None else
+                          f"The model '{model}' does not exist or no worker serves it (served: {sorted(live) or 'none'})")
+                bad.append(BadLine(fields["metadata"]["bulk_line"], reason, fields["output"].custom_id,
+                                   code="model_not_found"))
         return kept, bad
+
+    def _no_tool_format(self, jobs: list[dict[str, Any]], live: set[str]) -> set[str]:
+        """The announced models of lines with tools whose workers say their template never reads ``tools``."""
+        names = sorted({fields["model"] for fields in jobs if fields.get("tools") and fields["model"] in live})
+        if not names:
+            return set()
+        out = set()
+        for name, raw in zip(names, self.conn.hmget(keys.model_info(), names)):
+            try:
+                info = json.loads(raw) if raw else {}
+            except ValueError:
+                info = {}
+            if isinstance(info, dict) and info.get("chat_tools") is False:
+                out.add(name)
+        return out
 
     def _commit(self, chunk: list[tuple[int, bytes]], end_offset: int | None, out, input_done: bool = False) -> None:
         jobs, bad = self._jobs_for(chunk)

@@ -4,6 +4,10 @@ A part line is a ``PartEntry``: the final OpenAI batch output record of one inpu
 completion body, or an error), plus the line number and ``custom_id`` compaction sorts and
 dedupes on. Workers write result entries (``result_entry``) into the bulk's storage; the
 orchestrator writes the entries of lines that never became jobs (``error_entry``).
+
+A chat line with tools carries, in its job's metadata under ``TOOL_ANSWER``, how its text is read back as
+calls (``producer.protocol.tools.ToolAnswer``: the resolved ``tool_choice`` and, for ``auto``, the bulk's
+``tool_call_parser``), so its output body has the gateway's ``message.tool_calls``.
 """
 from __future__ import annotations
 
@@ -13,6 +17,10 @@ from typing import Any
 
 from pagestream.producer.protocol.openai import chat_completion_body, text_completion_body
 from pagestream.producer.protocol.schema import JobResult
+from pagestream.producer.protocol.tools import ToolAnswer
+
+#: the bulk job's metadata key holding its ``ToolAnswer`` (a chat line whose tool_choice is not ``none``)
+TOOL_ANSWER = "tool_answer"
 
 
 def request_id(bulk_id: str, line: int) -> str:
@@ -64,9 +72,11 @@ def result_entry(
     line: int | None = None,
     requested_model: str | None = None,
     error: str | None = None,
+    tools: ToolAnswer | None = None,
 ) -> PartEntry:
     """The OpenAI batch output line for one finished job: an error line when ``error`` is set,
-    else a completion body as the gateway answers it (one choice per sample, the served model's name)."""
+    else a completion body as the gateway answers it (one choice per sample, the served model's name; with
+    ``tools``, each choice's text read as calls as the gateway's chat completion reads it)."""
     line = line if line is not None else line_of_job_id(job_id)
     rid = f"batch_req_{job_id}"
     if error is not None:
@@ -81,6 +91,8 @@ def result_entry(
     model = result.model or requested_model or "unknown"
     build = chat_completion_body if chat else text_completion_body
     body = build(f"{'chatcmpl' if chat else 'cmpl'}-{job_id}", model, int(result.finished_at), result)
+    if chat and tools is not None:
+        tools.answer(body, {s.index: s.text for s in result.outputs} or {0: result.text})
     record = {"id": rid, "custom_id": custom_id,
               "response": {"status_code": 200, "request_id": job_id, "body": body}, "error": None}
     return PartEntry(line=line, custom_id=custom_id, ok=True, record=record)

@@ -17,7 +17,7 @@ from pagestream.producer.protocol.errors import RequestError
 from pagestream.producer.protocol.limits import job_limits
 from pagestream.producer.protocol.openai import ChatMessageIn, chat_logprobs_k, finish_reason, usage
 from pagestream.producer.protocol.schema import JobRequest, JobResult
-from pagestream.producer.protocol.tools import ChatTool, ToolChoice, ToolUse
+from pagestream.producer.protocol.tools import MAX_TOOLS, ChatTool, ToolChoice, ToolUse
 
 _SAMPLING = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "top_k", "min_p",
              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
@@ -298,8 +298,6 @@ def check_trusted_template(chat_template: str | None, chat_template_kwargs: dict
         raise RequestError(UNTRUSTED_TEMPLATE, param="chat_template_kwargs")
 
 
-#: tools one chat request may carry (OpenAI's own limit)
-MAX_TOOLS = 128
 #: errors a 400 lists (then a count of the rest), as vLLM's 400s are short
 MAX_LISTED_ERRORS = 5
 

@@ -11,7 +11,7 @@ import time
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from pagestream.producer.protocol.schema import Lane
 from pagestream.producer.protocol.wire import as_str
@@ -101,6 +101,18 @@ class BulkSpec(BaseModel):
     # set by the gateway's /v1/batches: a line whose model (after ``model``) no live worker announces,
     # or that names none, is an error line at once (chat's 404 model_not_found), never a job no worker takes
     served_models_only: bool = False
+    # vLLM run-batch's --enable-auto-tool-choice --tool-call-parser NAME: how ``tool_choice: auto`` lines' output is
+    # read as calls (the gateway's /v1/batches passes its own setting); None: an auto line is an error line
+    tool_call_parser: str | None = None
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, v: str | None) -> str | None:
+        from pagestream.producer.protocol.tool_parsers import TOOL_PARSERS
+
+        if v is not None and v not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser {v!r} is not one of {sorted(TOOL_PARSERS)}")
+        return v
 
 
 def decode(raw: dict) -> dict[str, str]:

@@ -6,6 +6,10 @@ path, built as vLLM builds it), so the answer is always a call of a tool the req
 arguments that validate; ``auto`` leaves the output free and a parser reads the calls out of it
 (``producer.protocol.tool_parsers``); ``none`` never answers calls (the tools are still rendered, as vLLM
 does by default).
+
+``ToolAnswer`` is what turns a finished job's text into OpenAI's ``message.tool_calls``: the gateway's
+chat completions and a bulk's output lines (the worker's bulk sink, from the job's metadata) answer with
+the same code, so a Batch API line with tools gets the gateway's answer.
 """
 from __future__ import annotations
 
@@ -13,10 +17,11 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagestream.producer.protocol.errors import RequestError
 from pagestream.producer.protocol.structured import MAX_SCHEMA_DEPTH, check_json_schema
+from pagestream.producer.protocol.tool_parsers import TOOL_PARSERS, NamedToolParser, RequiredToolParser, ToolParser
 from pagestream.producer.protocol.untrusted import UntrustedJSONError, check_json_tree
 
 #: OpenAI's rule for a function's name
@@ -24,6 +29,16 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 #: vLLM's answer to ``auto`` on a server started without a parser
 AUTO_NEEDS_PARSER = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def no_tool_format(model: str | None) -> str:
+    """The refusal of tools for a model whose workers announce a chat template that never reads ``tools``."""
+    return (f"the chat template of model '{model}' has no tool format (it never reads `tools`), "
+            "so it cannot be given tools; serve a model whose template has one")
+
+
+#: tools one chat request may carry (OpenAI's own limit)
+MAX_TOOLS = 128
 
 
 class FunctionDefinition(BaseModel):
@@ -119,6 +134,16 @@ class ToolUse(BaseModel):
     def active(self) -> bool:
         return self.choice != "none"
 
+    def answering(self, parser: str | None) -> ToolAnswer | None:
+        """How the job's text is read back as calls (None for ``none``: text only); ``parser`` is the server's
+        ``--tool-call-parser``, which only ``auto`` reads (``RequestError`` with vLLM's message without one)."""
+        if not self.active:
+            return None
+        if self.choice == "auto" and not parser:
+            raise RequestError(AUTO_NEEDS_PARSER, param="tool_choice")
+        return ToolAnswer(choice=self.choice, named=self.named, parallel_tool_calls=self.parallel_tool_calls,
+                          parser=parser if self.choice == "auto" else None)
+
     def tool(self, name: str) -> ChatTool:
         return next(t for t in self.tools if t.function.name == name)
 
@@ -153,6 +178,53 @@ class ToolUse(BaseModel):
                                    "response_format or structured_outputs with it", param="tool_choice")
             fields["structured_outputs"] = {"json": schema}
         return fields
+
+
+class ToolAnswer(BaseModel):
+    """What reading a finished job's text as calls needs of its request: the resolved ``tool_choice``, its
+    ``parallel_tool_calls`` and, for ``auto``, the parser's name. Small and JSON: a bulk job carries it in its
+    metadata to the worker that writes its output line."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    choice: Literal["auto", "required", "named"]
+    named: str | None = None
+    parallel_tool_calls: bool = True
+    parser: str | None = None
+
+    @model_validator(mode="after")
+    def _readable(self) -> ToolAnswer:
+        if self.choice == "named" and not self.named:
+            raise ValueError("a named tool_choice needs the tool's name")
+        if self.choice == "auto" and self.parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser {self.parser!r} is not one of {sorted(TOOL_PARSERS)}")
+        return self
+
+    def new_parser(self) -> ToolParser:
+        if self.choice == "named":
+            return NamedToolParser(self.named)
+        if self.choice == "required":
+            return RequiredToolParser()
+        return TOOL_PARSERS[self.parser]()
+
+    def finish_reason(self, called: bool, reason: str | None) -> str | None:
+        """``tool_calls`` when ``auto`` answered calls or ``required`` stopped on its own; a named tool keeps
+        ``stop``, as vLLM answers (None: the engine's reason stands)."""
+        if called and (self.choice == "auto" or (self.choice == "required" and reason == "stop")):
+            return "tool_calls"
+        return None
+
+    def answer(self, body: dict[str, Any], texts: dict[int, str]) -> None:
+        """A ``chat.completion`` body's choices as calls (``content`` null unless the model wrote text before them)."""
+        for choice in body["choices"]:
+            text = texts.get(choice["index"], "")
+            extracted = self.new_parser().extract(text)
+            calls = extracted.tool_calls if self.parallel_tool_calls else extracted.tool_calls[:1]
+            if not calls:
+                continue  # auto answered text
+            choice["message"]["content"] = extracted.content
+            choice["message"]["tool_calls"] = [c.to_openai() for c in calls]
+            choice["finish_reason"] = self.finish_reason(True, choice["finish_reason"]) or choice["finish_reason"]
 
 
 def arguments_as_object(arguments: Any) -> Any:

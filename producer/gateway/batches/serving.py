@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from starlette.datastructures import UploadFile
 
 from pagestream.producer.bulk.batches import FileStore, cancel_batch, create_batch, get_batch, list_batches, new_batch_id
+from pagestream.producer.gateway.chat.tools import auto_tool_parser
 from pagestream.producer.gateway.errors import GatewayError
 from pagestream.producer.gateway.protocol import MAX_LISTED_ERRORS, first_error_loc
 from pagestream.producer.gateway.state import GatewayState
@@ -172,7 +173,7 @@ class OpenAIServingBatches:
             return await asyncio.to_thread(
                 create_batch, self.conn, self.files, input_file_id=body.input_file_id, endpoint=body.endpoint,
                 completion_window=body.completion_window, metadata=body.metadata, queue_name=self.settings.bulk_queue,
-                tenant=tenant, bulk_id=bulk_id)
+                tenant=tenant, bulk_id=bulk_id, tool_call_parser=auto_tool_parser(self.settings))
         except BaseException:
             if counted:
                 await self.state.admission.release_bulk(tenant.name, bulk_id)

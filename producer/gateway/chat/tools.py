@@ -13,9 +13,8 @@ from typing import Any
 from pagestream.producer.gateway.errors import GatewayError
 from pagestream.producer.gateway.protocol import ChatCompletionRequest, chat_chunk
 from pagestream.producer.gateway.settings import GatewaySettings
-from pagestream.producer.protocol.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser, ToolParser,
-                                                       merge_deltas)
-from pagestream.producer.protocol.tools import AUTO_NEEDS_PARSER, ToolUse
+from pagestream.producer.protocol.tool_parsers import ToolParser, merge_deltas
+from pagestream.producer.protocol.tools import AUTO_NEEDS_PARSER, ToolAnswer, ToolUse, no_tool_format
 
 
 def check_tools(req: ChatCompletionRequest, settings: GatewaySettings, model_info: dict[str, Any]) -> None:
@@ -25,35 +24,23 @@ def check_tools(req: ChatCompletionRequest, settings: GatewaySettings, model_inf
     if use.choice == "auto" and not (settings.enable_auto_tool_choice and settings.tool_call_parser):
         raise GatewayError(400, AUTO_NEEDS_PARSER, param="tool_choice")
     if use.tools and model_info.get("chat_tools") is False:
-        raise GatewayError(400, f"the chat template of model '{req.model}' has no tool format (it never reads `tools`), "
-                           "so it cannot be given tools; serve a model whose template has one", param="tools")
+        raise GatewayError(400, no_tool_format(req.model), param="tools")
 
 
-def new_parser(use: ToolUse, settings: GatewaySettings) -> ToolParser:
-    if use.choice == "named":
-        return NamedToolParser(use.named)
-    if use.choice == "required":
-        return RequiredToolParser()
-    return TOOL_PARSERS[settings.tool_call_parser]()
+def auto_tool_parser(settings: GatewaySettings) -> str | None:
+    """The parser ``auto`` answers are read with (None: ``auto`` is refused); a batch created here keeps it."""
+    return settings.tool_call_parser if settings.enable_auto_tool_choice else None
 
 
-def _finish(use: ToolUse, called: bool, reason: str | None) -> str | None:
-    if called and (use.choice == "auto" or (use.choice == "required" and reason == "stop")):
-        return "tool_calls"
-    return None
+def answering(use: ToolUse, settings: GatewaySettings) -> ToolAnswer:
+    """The reading of an active ``use``'s output (``check_tools`` has refused ``auto`` without a parser);
+    the same ``ToolAnswer`` a bulk's output lines are written with (``producer.protocol.tools``)."""
+    return use.answering(auto_tool_parser(settings))
 
 
 def answer_calls(body: dict[str, Any], texts: dict[int, str], use: ToolUse, settings: GatewaySettings) -> None:
     """Each choice's message as calls (``content`` null unless the model wrote text before them)."""
-    for choice in body["choices"]:
-        text = texts.get(choice["index"], "")
-        extracted = new_parser(use, settings).extract(text)
-        calls = extracted.tool_calls if use.parallel_tool_calls else extracted.tool_calls[:1]
-        if not calls:
-            continue  # auto answered text
-        choice["message"]["content"] = extracted.content
-        choice["message"]["tool_calls"] = [c.to_openai() for c in calls]
-        choice["finish_reason"] = _finish(use, True, choice["finish_reason"]) or choice["finish_reason"]
+    answering(use, settings).answer(body, texts)
 
 
 class ToolCallStream:
@@ -62,12 +49,15 @@ class ToolCallStream:
 
     def __init__(self, req: ChatCompletionRequest, rid: str, created: int, use: ToolUse, settings: GatewaySettings) -> None:
         self.req, self.rid, self.created, self.use, self.settings = req, rid, created, use, settings
+        self.answer = answering(use, settings)
         self.parsers: dict[int, ToolParser] = {}
         self.texts: dict[int, str] = {}
 
     def __call__(self, index: int, text: str | None, reason: str | None = None,
                  logprobs: dict | None = None) -> dict[str, Any] | None:
-        parser = self.parsers.setdefault(index, new_parser(self.use, self.settings))
+        parser = self.parsers.get(index)
+        if parser is None:
+            parser = self.parsers[index] = self.answer.new_parser()
         before = self.texts.get(index, "")
         deltas = parser.extract_streaming(before, text) if text else []
         self.texts[index] = before + (text or "")
@@ -84,5 +74,5 @@ class ToolCallStream:
         choice = chunk["choices"][0]
         choice["delta"] = delta
         if reason is not None:
-            choice["finish_reason"] = _finish(self.use, parser.called, reason) or choice["finish_reason"]
+            choice["finish_reason"] = self.answer.finish_reason(parser.called, reason) or choice["finish_reason"]
         return chunk
