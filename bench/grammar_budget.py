@@ -6,7 +6,7 @@ SmolLM2-135M-Instruct on the CPU (``engine.smollm2.ensure_smollm2``), as in the 
 runs the same 16 ordinary requests (16 tokens each, temperature 0, one batch) twice, alternately: alone, and
 with the hostile request (``root ::= a / a ::= a a a | a a | "x" | ""``, ``min_tokens`` 300) added at the
 same instant. Reported per run: the seconds until the last ordinary request finished and each one's own
-seconds; the ratio with/without (acceptance: within 1.2x); and how the hostile request ended (acceptance:
+seconds and each step's milliseconds while they run; the ratio with/without (acceptance: within 1.2x); and how the hostile request ended (acceptance:
 an error naming the bound, not 300 tokens). Unbounded, the report measured 5.6 s -> 73.5 s (13x).
 """
 from __future__ import annotations
@@ -38,8 +38,13 @@ def run_once(engine, with_hostile: bool, tag: str) -> dict:
             structured_outputs=StructuredOutputsParams(grammar=HOSTILE)))
     done: dict[str, float] = {}
     hostile = None
+    step_ms: list[int] = []  # each step's wall time until the last ordinary request is done
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        t = time.perf_counter()
+        outs = engine.step()
+        if len(done) < len(PROMPTS):
+            step_ms.append(round((time.perf_counter() - t) * 1000))
+        for out in outs:
             if out.finished:
                 if out.request_id.endswith("hostile"):
                     hostile = {"seconds": round(time.perf_counter() - start, 3), "error": out.error,
@@ -49,7 +54,7 @@ def run_once(engine, with_hostile: bool, tag: str) -> dict:
                     done[out.request_id] = time.perf_counter() - start
     assert len(done) == len(PROMPTS), done
     return {"ordinary_last_s": round(max(done.values()), 3), "ordinary_p50_s": round(statistics.median(done.values()), 3),
-            "hostile": hostile}
+            "hostile": hostile, "step_ms": step_ms}
 
 
 def main() -> None:
