@@ -80,11 +80,9 @@ class GatewaySettings(BaseSettings):
     @field_validator("tool_call_parser")
     @classmethod
     def _known_parser(cls, v: str | None) -> str | None:
-        from pagestream.producer.protocol.tool_parsers import TOOL_PARSERS
+        from pagestream.producer.protocol.tool_parsers import known_parser
 
-        if v is not None and v not in TOOL_PARSERS:
-            raise ValueError(f"tool_call_parser {v!r} is not one of {sorted(TOOL_PARSERS)}")
-        return v
+        return known_parser(v)
 
     @model_validator(mode="after")
     def _auto_needs_parser(self) -> "GatewaySettings":
