@@ -96,6 +96,7 @@ class RequestDelta(NamedTuple):
     metrics: dict | None  # measured by the core, if any (EngineCore sends none: the OutputProcessor measures)
     samples: list[SampleDelta]
     prompt_logprobs: list | None = None  # the request's, once (RequestOutput.prompt_logprobs)
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served (RequestOutput.num_cached_tokens)
 
 
 class TokenBatch(NamedTuple):

@@ -120,6 +120,7 @@ class LLM:
                 acc.error = delta.error or acc.error  # e.g. a grammar that cannot compile
                 if delta.prompt_logprobs is not None:
                     acc.prompt_logprobs = delta.prompt_logprobs
+                acc.num_cached_tokens = delta.num_cached_tokens
                 if delta.finished:
                     done.add(delta.request_id)
                     if bar is not None:

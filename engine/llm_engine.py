@@ -47,6 +47,10 @@ class _CoreRequest:
     prompt_logprobs: list | None = None
 
     @property
+    def num_cached_tokens(self) -> int | None:  # the first sample's prefix-cache hit, once scheduled
+        return self.seqs[0].first_cached_tokens
+
+    @property
     def key(self) -> str:  # the sequences' request_id
         return self.seqs[0].request_id
 
@@ -249,7 +253,8 @@ class EngineCore:
         lps = [] if req.params.logprobs is not None else None
         samples = [SampleDelta(i, [], 0.0 if lps is not None else None, lps, seq.finish_reason, seq.stop_reason)
                    for i, seq in enumerate(req.seqs)]
-        return RequestDelta(req.rid, True, EngineCoreError(ErrorType.REQUEST, error), None, samples)
+        return RequestDelta(req.rid, True, EngineCoreError(ErrorType.REQUEST, error), None, samples,
+                            num_cached_tokens=req.num_cached_tokens)
 
     def abort_request(self, rid: int | str) -> bool:
         """Stop a request now and free its blocks (its caller writes the 'abort' output)."""
@@ -377,7 +382,8 @@ class EngineCore:
         outputs: list[RequestDelta | TokenBatch] = [TokenBatch(rids, token_ids)] if rids else []
         for req, deltas in samples.items():
             done = req.finished
-            outputs.append(RequestDelta(req.rid, done, None, None, deltas, self._take_prompt_logprobs(req)))
+            outputs.append(RequestDelta(req.rid, done, None, None, deltas, self._take_prompt_logprobs(req),
+                                        req.num_cached_tokens))
             if done:
                 self._forget(req)
         return outputs

@@ -58,6 +58,7 @@ class RequestState:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     prompt_logprobs: list | None = None  # the core's, until reported (delta) or with the final output
+    num_cached_tokens: int = 0  # the core's (RequestOutput.num_cached_tokens), once it sends it
 
 
 @dataclass(slots=True)
@@ -166,6 +167,8 @@ class OutputProcessor:
                 state.metrics = metrics
             if out.prompt_logprobs is not None:
                 state.prompt_logprobs = out.prompt_logprobs
+            if out.num_cached_tokens is not None:
+                state.num_cached_tokens = out.num_cached_tokens
             entry = new.get(rid)
             if entry is None:
                 n = state.params.n
@@ -252,7 +255,7 @@ class OutputProcessor:
                 w.cumulative_logprob = state.cumulative[i] if want_lps else None
                 w.finish_reason, w.stop_reason = state.finish[i]
             return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, whole, True,
-                                 prompt_logprobs=state.prompt_logprobs)
+                                 prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.num_cached_tokens)
         comps = []
         for i, detok in enumerate(state.detoks):
             fin, stop = state.finish[i]
@@ -265,4 +268,4 @@ class OutputProcessor:
             ))
         prompt_lps, state.prompt_logprobs = state.prompt_logprobs, None  # a delta output carries them once
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, finished,
-                             prompt_logprobs=prompt_lps)
+                             prompt_logprobs=prompt_lps, num_cached_tokens=state.num_cached_tokens)

@@ -41,6 +41,9 @@ class RequestOutput:
     # when asked (SamplingParams.prompt_logprobs): per prompt token, None for the first, then {token_id: logprob}
     # of the prompt's token and the top k. In the first output that has them (delta) or the final one.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # vLLM's: prompt tokens served from the prefix cache when the request was first scheduled (its first
+    # sample's); 0 before it is known. Set on every output once the core has reported it.
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)

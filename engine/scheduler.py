@@ -141,6 +141,8 @@ class Scheduler:
                     self.kv_bound = True
                     break  # FCFS: a blocked head blocks the queue
                 seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+                if seq.first_cached_tokens is None:  # resumed output tokens are not prompt tokens
+                    seq.first_cached_tokens = min(num_cached, seq.num_prompt_tokens)
                 seq.wait_for = None
                 del self.waiting[j]
                 seq.status = SequenceStatus.RUNNING

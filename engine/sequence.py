@@ -39,6 +39,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit on the last admission
+    # prompt tokens the prefix cache served when first scheduled (vLLM's RequestOutput.num_cached_tokens);
+    # None until then. A preemption's readmission does not change it.
+    first_cached_tokens: int | None = None
     num_pending_tokens: int = 0  # sampled on the device, not yet in token_ids
     finish_reason: str | None = None
     stop_reason: int | str | None = None

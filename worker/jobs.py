@@ -41,6 +41,7 @@ class ActiveJob:
     samples: dict[int, SampleOutput] = field(default_factory=dict)
     started_at: float = 0.0
     prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # the engine's (prefix-cache hit of this delivery's run), with its final output
     prompt_token_ids: list[int] | None = None  # kept only for a job with return_prompt_token_ids
     prompt_logprobs: list[list] | None = None  # TokenLogprob wire form, one per prompt token (if asked for)
     prompt_logprobs_streamed: bool = False  # on a token event already (a job with stream_prompt_logprobs)

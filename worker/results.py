@@ -76,6 +76,7 @@ def collect(outputs: list, jobs: JobTable, token_texts: TokenTexts | None = None
                     delta.prompt_tokens, delta.prompt_token_ids = a.prompt_tokens, a.prompt_token_ids
                 append(delta)
         if out.finished:
+            a.num_cached_tokens = out.num_cached_tokens
             finished.append((a, out.error))
     return deltas, finished
 
@@ -98,6 +99,7 @@ def job_result(a: ActiveJob, status: JobStatus, error: str | None, worker: str) 
         error=error,
         outputs=samples,
         prompt_tokens=a.prompt_tokens,
+        num_cached_tokens=a.num_cached_tokens,
         completion_tokens=sum(len(s.token_ids) for s in samples),
         prompt_token_ids=a.prompt_token_ids,
         prompt_logprobs=a.prompt_logprobs,

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pagestream.producer.protocol.chat_template import UNTRUSTED_TEMPLATE, template_options
 from pagestream.producer.protocol.errors import RequestError
 from pagestream.producer.protocol.limits import job_limits
-from pagestream.producer.protocol.openai import ChatMessageIn, chat_logprobs_k, finish_reason, usage
+from pagestream.producer.protocol.openai import (ChatMessageIn, add_prompt_tokens_details, chat_logprobs_k, finish_reason,
+                                                 usage)
 from pagestream.producer.protocol.schema import JobRequest, JobResult
 from pagestream.producer.protocol.tools import MAX_TOOLS, ChatTool, ToolChoice, ToolUse
 
@@ -359,14 +360,20 @@ def chat_chunk(rid: str, model: str, created: int, index: int, text: str | None,
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(obj: str, rid: str, model: str, created: int, results: list[JobResult]) -> dict:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": total_usage(results)}
+def usage_chunk(obj: str, rid: str, model: str, created: int, results: list[JobResult],
+                prompt_tokens_details: bool = False) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": total_usage(results, prompt_tokens_details)}
 
 
-def total_usage(results: list[JobResult]) -> dict[str, int]:
-    """One request's usage over its jobs (one per prompt)."""
+def total_usage(results: list[JobResult], prompt_tokens_details: bool = False) -> dict[str, Any]:
+    """One request's usage over its jobs (one per prompt); with ``prompt_tokens_details``, the prompts' cached
+    tokens summed (each prompt's once, whatever its n)."""
     parts = [usage(r) for r in results]
-    return {k: sum(p[k] for p in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    body: dict[str, Any] = {k: sum(p[k] for p in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    if prompt_tokens_details:
+        add_prompt_tokens_details(body, sum(r.num_cached_tokens for r in results))
+    return body
 
 
 def model_card(model: str, info: dict) -> dict:

@@ -460,7 +460,8 @@ class OpenAIServing:
             done_at = time.time()
             results = await self.producer.results(job_ids, timeout=60)  # usage, and vLLM's metrics
             if req.include_usage:
-                yield usage_chunk(self.chunk_object, rid, req.model, created, results), last_id
+                yield usage_chunk(self.chunk_object, rid, req.model, created, results,
+                                  self.settings.enable_prompt_tokens_details), last_id
             yield "[DONE]", last_id
             for p, result in enumerate(results):
                 self.metrics.vllm.observe_result(req.model, result, n=n, max_tokens=max_tokens, arrived=arrived,

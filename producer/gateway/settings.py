@@ -76,6 +76,10 @@ class GatewaySettings(BaseSettings):
     # a 400 unless set. The worker renders it in transformers' sandboxed Jinja, but a template is code a client
     # runs on the worker (its time, its memory): trust it only from clients you trust
     trust_request_chat_template: bool = False
+    # usage.prompt_tokens_details = {"cached_tokens": N} on chat and completions responses (whole, and a stream's
+    # usage chunk) when N > 0: the prompt tokens served from a worker's prefix cache (vLLM's
+    # --enable-prompt-tokens-details); absent otherwise
+    enable_prompt_tokens_details: bool = False
 
     @field_validator("tool_call_parser")
     @classmethod

@@ -78,9 +78,18 @@ def finish_reason(reason: str | None) -> str | None:
     return "length" if reason == "length" else "stop"
 
 
-def usage(result: JobResult) -> dict[str, int]:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+def usage(result: JobResult, prompt_tokens_details: bool = False) -> dict[str, Any]:
+    """vLLM's usage; with ``prompt_tokens_details`` (its --enable-prompt-tokens-details) and a prefix-cache hit,
+    ``prompt_tokens_details.cached_tokens`` too (vLLM leaves it out, null, for a miss)."""
+    body: dict[str, Any] = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                            "total_tokens": result.prompt_tokens + result.completion_tokens}
+    return add_prompt_tokens_details(body, result.num_cached_tokens) if prompt_tokens_details else body
+
+
+def add_prompt_tokens_details(body: dict[str, Any], cached_tokens: int) -> dict[str, Any]:
+    if cached_tokens:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def _bytes(token: str) -> list[int]:
@@ -158,13 +167,14 @@ def _samples(result: JobResult) -> list[SampleResult]:
                                            finish_reason=result.finish_reason)]
 
 
-def chat_completion_body(rid: str, model: str, created: int, result: JobResult) -> dict[str, Any]:
+def chat_completion_body(rid: str, model: str, created: int, result: JobResult,
+                         prompt_tokens_details: bool = False) -> dict[str, Any]:
     """A ``chat.completion`` object: one choice per sample."""
     choices = [{"index": s.index, "logprobs": None if s.logprobs is None else chat_logprobs(s.logprobs),
                 "finish_reason": finish_reason(s.finish_reason), "message": {"role": "assistant", "content": s.text}}
                for s in _samples(result)]
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(result)}
+            "usage": usage(result, prompt_tokens_details)}
     if result.prompt_logprobs is not None:  # vLLM's extension, on the response
         body["prompt_logprobs"] = prompt_logprobs_body(result.prompt_logprobs)
     return body

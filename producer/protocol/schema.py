@@ -501,6 +501,8 @@ class JobResult(BaseModel):
     error_code: ErrorCode | None = None
     outputs: list[SampleResult] = Field(default_factory=list)
     prompt_tokens: int = 0
+    # prompt tokens this delivery's run found in the worker's prefix cache (vLLM's RequestOutput.num_cached_tokens)
+    num_cached_tokens: int = 0
     completion_tokens: int = 0
     prompt_token_ids: list[int] | None = None  # when the job asked (``return_prompt_token_ids``)
     # when the job asked (``sampling.prompt_logprobs``): one per prompt token, the first with logprob None

@@ -18,7 +18,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def body(self, req: ChatCompletionRequest, rid: str, created: int, results: list[JobResult]) -> dict[str, Any]:
         (result,) = results
-        body = chat_completion_body(rid, req.model, created, result)
+        body = chat_completion_body(rid, req.model, created, result, self.settings.enable_prompt_tokens_details)
         samples = {s.index: s for s in result.outputs}
         echo = req.echo_text()
         for choice in body["choices"]:

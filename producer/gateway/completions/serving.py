@@ -54,7 +54,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         return {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": choices,
-                "usage": total_usage(results)}
+                "usage": total_usage(results, self.settings.enable_prompt_tokens_details)}
 
     def lead(self, req: CompletionRequest, p: int, prompt_lps: list[TokenLogprob] | None) -> tuple[str, list[TokenLogprob]]:
         """A streamed ``echo``: the prompt (and, with ``logprobs``, its tokens' logprobs, the first None) leads each
