@@ -195,6 +195,19 @@ def test_bad_inputs_answer_400_with_the_reason_before_any_worker_step(stack, bod
     assert _lane_lengths(r) == before
 
 
+def test_truncate_prompt_tokens_on_chat_is_a_400_not_ignored(stack):
+    """vLLM's chat cuts the rendered prompt; here that is not served, and a request asking for it must not run
+    with its whole prompt as if the field were not there."""
+    r = stack["r"]
+    before = _lane_lengths(r)
+    resp = httpx.post(stack["gw"].base_url + "/chat/completions", timeout=60,
+                      json={"model": MODEL, "max_tokens": 2, "truncate_prompt_tokens": 5,
+                            "messages": [{"role": "user", "content": "a b c d e f g h"}]})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "truncate_prompt_tokens", resp.text
+    assert _lane_lengths(r) == before
+
+
 def test_a_prompt_past_the_context_is_a_400_before_anything_is_queued(stack):
     c, r = stack["client"], stack["r"]
     before, lanes = set(r.scan_iter(match="ps:job:*")), _lane_lengths(r)

@@ -247,6 +247,9 @@ class ChatCompletionRequest(OpenAIRequest):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat takes it (the rendered prompt cut to k tokens); here it would need the worker's tokenizer after
+    # the template, so it is refused, never silently ignored (completions take it on token-id prompts)
+    truncate_prompt_tokens: int | None = None
 
     def tool_use(self) -> ToolUse:
         return ToolUse.resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
@@ -262,6 +265,9 @@ class ChatCompletionRequest(OpenAIRequest):
             raise RequestError(str(exc), param="continue_final_message") from None
 
     def job_fields(self) -> list[dict[str, Any]]:
+        if self.truncate_prompt_tokens is not None:
+            raise RequestError("truncate_prompt_tokens is not supported on chat completions (it is on completions "
+                               "with token-id prompts)", param="truncate_prompt_tokens")
         fields: dict[str, Any] = {
             "messages": [m.flat() for m in self.messages],
             "max_tokens": self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
