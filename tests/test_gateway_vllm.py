@@ -195,6 +195,18 @@ def test_bad_inputs_answer_400_with_the_reason_before_any_worker_step(stack, bod
     assert _lane_lengths(r) == before
 
 
+def test_a_chat_stream_with_return_token_ids_carries_the_prompts_ids_once(stack):
+    c, fake = stack["client"], FakeEngine()
+    messages = [{"role": "user", "content": "the ids of this chat"}]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, seed=2, n=2,
+                                      extra_body={"return_token_ids": True})
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, seed=2, n=2, stream=True,
+                                            extra_body={"return_token_ids": True}))
+    carried = [ch.model_dump()["prompt_token_ids"] for ch in chunks if ch.model_dump().get("prompt_token_ids")]
+    assert carried == [fake.tokenizer.apply_chat_template(messages, tokenize=True)]  # vLLM's: once in the stream
+    assert carried[0] == whole.model_dump()["prompt_token_ids"]
+
+
 def test_truncate_prompt_tokens_on_chat_is_a_400_not_ignored(stack):
     """vLLM's chat cuts the rendered prompt; here that is not served, and a request asking for it must not run
     with its whole prompt as if the field were not there."""

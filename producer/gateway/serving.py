@@ -124,8 +124,12 @@ class OpenAIServing:
         """Whether a stream leaves the sampled tokens out (completions' echo with ``max_tokens=0``)."""
         return False
 
+    #: a stream's ``return_token_ids`` puts the prompt's ids on each choice's first chunk (completions), or only
+    #: on the stream's first chunk that follows the prompt's first event (chat: once per prompt)
+    prompt_ids_per_choice = True
+
     def put_prompt_token_ids(self, chunk: dict[str, Any], ids: list[int]) -> None:
-        """Where a stream's ``return_token_ids`` puts the prompt's ids, once per choice (its first chunk)."""
+        """Where a stream's ``return_token_ids`` puts the prompt's ids (see ``prompt_ids_per_choice``)."""
 
     async def check_request(self, req: OpenAIRequest) -> None:
         """A family's own checks against the served model, before any job is submitted."""
@@ -393,7 +397,7 @@ class OpenAIServing:
             led: set[int] = set()  # choices whose first chunk went out (a resumed stream's went out before)
             prompt_size: dict[int, int] = {}  # per prompt: its tokens, from its job's first event
             prompt_ids: dict[int, list[int]] = {}  # the same, its ids (return_token_ids)
-            ids_sent: set[int] = set()  # choices whose chunk carried the prompt's ids
+            ids_sent: set[int] = set()  # choices (chat: -1 - prompt) whose chunk carried the prompt's ids
             hide = self.hides_output(req)
             while len(done) < len(job_ids):
                 p, ev = await anext(job_events)
@@ -446,8 +450,9 @@ class OpenAIServing:
                         continue
                     if req.return_token_ids:
                         chunk["choices"][0]["token_ids"] = token_ids
-                        if resume_from is None and index not in ids_sent and p in prompt_ids:
-                            ids_sent.add(index)
+                        sent_key = index if self.prompt_ids_per_choice else -1 - p
+                        if resume_from is None and sent_key not in ids_sent and p in prompt_ids:
+                            ids_sent.add(sent_key)
                             self.put_prompt_token_ids(chunk, prompt_ids[p])
                     if req.continuous_usage:
                         # vLLM's: the prompt's size (its job's first event brought it), this choice's tokens so far

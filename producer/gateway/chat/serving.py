@@ -67,6 +67,11 @@ class OpenAIServingChat(OpenAIServing):
                 parts.append(ev.text)
         return "".join(parts)
 
+    prompt_ids_per_choice = False
+
+    def put_prompt_token_ids(self, chunk: dict[str, Any], ids: list[int]) -> None:
+        chunk["prompt_token_ids"] = ids  # vLLM's: on the chunk object, once in the stream
+
     def chunk(self, req, rid, created, index, text, reason=None, logprobs=None) -> dict[str, Any]:
         return chat_chunk(rid, req.model, created, index, text, reason, logprobs)
 
