@@ -123,6 +123,7 @@ def test_queue_depth_pending_and_age_per_model_and_lane_are_read_from_redis_at_e
     jobs = [producer.submit(prompt=f"wait {i}", max_tokens=2, model=model) for i in range(5)]
     jobs.append(producer.submit(prompt="urgent", max_tokens=2, model=model, lane="high"))
     root = gw.base_url.rsplit("/v1", 1)[0]
+    time.sleep(0.3)  # past the window in which a scrape reuses the last one's figures (QUEUE_REFRESH_MIN_S)
     first = _queue_gauges(httpx.get(f"{root}/metrics", timeout=10).text)
     depth, pending, age = (first[f"pagestream_queue_{n}"] for n in ("depth", "pending", "oldest_age_seconds"))
     assert depth == {(model, "high"): 1, (model, "normal"): 5, (model, "low"): 0}
