@@ -118,6 +118,7 @@ class CoreOutput:
     type: CoreOutputType
     outputs: list = field(default_factory=list)  # RequestDelta | TokenBatch
     stats: Any = None  # EngineStats
+    iteration_tokens: list = field(default_factory=list)  # tokens of each core step since the last message
     error: EngineCoreError | None = None
     limits: Any = None  # EngineLimits (READY)
     config: Any = None  # EngineConfig (READY)

@@ -99,7 +99,7 @@ def _serve_loop(engine, conn, inbox: queue.SimpleQueue, trace: list | None) -> N
             elif kind is CoreRequestType.SHUTDOWN:
                 return
         if not engine.has_unfinished_requests():
-            conn.send(CoreOutput(CoreOutputType.OUTPUTS, [], engine.stats()))
+            conn.send(CoreOutput(CoreOutputType.OUTPUTS, [], engine.stats(), engine.take_iteration_tokens()))
             continue
         try:
             outs = engine.step()
@@ -116,5 +116,5 @@ def _serve_loop(engine, conn, inbox: queue.SimpleQueue, trace: list | None) -> N
         stats = None
         if now - last_stats >= _STATS_EVERY_S or not engine.has_unfinished_requests():
             stats, last_stats = engine.stats(), now
-        if outs or stats is not None:
-            conn.send(CoreOutput(CoreOutputType.OUTPUTS, outs, stats))
+        if outs or stats is not None:  # a step's token count rides with the next message sent
+            conn.send(CoreOutput(CoreOutputType.OUTPUTS, outs, stats, engine.take_iteration_tokens()))

@@ -28,6 +28,7 @@ a caller that dies closes the pipe and the core exits.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -44,7 +45,7 @@ from pagestream.engine.core_process import _core_main
 from pagestream.engine.errors import EngineDeadError
 from pagestream.engine.input_processor import ChatRequests, EngineLimits, InputProcessor
 from pagestream.engine.output_processor import OutputProcessor, core_params
-from pagestream.engine.outputs import EngineStats, RequestOutput
+from pagestream.engine.outputs import ITERATION_TOKENS_KEPT, EngineStats, RequestOutput
 from pagestream.engine.sampling_params import SamplingParams
 from pagestream.engine.tokenizer import load_tokenizer
 
@@ -98,6 +99,8 @@ class EngineProcess(ChatRequests):
         self._local: list[RequestOutput] = []  # abort outputs, reported at the next step as LLMEngine does
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stats: EngineStats | None = None
+        # the core's steps' token counts, until take_iteration_tokens()
+        self._iteration_tokens: collections.deque[int] = collections.deque(maxlen=ITERATION_TOKENS_KEPT)
         self._dead: str | None = None
         self._closing = False
         threading.Thread(target=self._read_outputs, name="engine-core-outputs", daemon=True).start()
@@ -176,6 +179,7 @@ class EngineProcess(ChatRequests):
                 raise msg.error.exception()
             if msg.stats is not None:
                 self._stats = msg.stats
+            self._iteration_tokens.extend(msg.iteration_tokens)
             core_outputs += msg.outputs
         done = self.output_processor.process(core_outputs)
         for out in done.outputs:
@@ -196,6 +200,12 @@ class EngineProcess(ChatRequests):
             lim = self.limits
             return EngineStats(0, 0, lim.num_blocks, lim.num_blocks, 0.0, 0.0, 0, 0, 0, 0)
         return self._stats
+
+    def take_iteration_tokens(self) -> list[int]:
+        """As ``LLMEngine.take_iteration_tokens``: the core's steps whose messages ``step`` took since the last call."""
+        taken = list(self._iteration_tokens)
+        self._iteration_tokens.clear()
+        return taken
 
     # ---- plumbing ------------------------------------------------------------------------
     def _read_outputs(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ from pagestream.engine.core_messages import EngineCoreError, ErrorType, RequestD
 from pagestream.engine.heap import freeze_startup_heap
 from pagestream.engine.input_processor import ChatRequests, EngineLimits, InputProcessor
 from pagestream.engine.output_processor import OutputProcessor
-from pagestream.engine.outputs import EngineStats, RequestOutput
+from pagestream.engine.outputs import ITERATION_TOKENS_KEPT, EngineStats, RequestOutput
 from pagestream.engine.sampling_params import SamplingParams
 from pagestream.engine.scheduler import Scheduler
 from pagestream.engine.sequence import Sequence, SequenceStatus
@@ -88,6 +89,9 @@ class EngineCore:
         self._requests: dict[str, _CoreRequest] = {}  # by the sequences' request_id, str(rid)
         self._arrival = itertools.count()
         self.num_generated_tokens = 0
+        # tokens each step since the last take_iteration_tokens() scheduled (prompt chunks + decodes); bounded, for a
+        # caller that never takes them (the offline LLM)
+        self._iteration_tokens: deque[int] = deque(maxlen=ITERATION_TOKENS_KEPT)
         # The step on the device whose sampled tokens the host has not read yet.
         self._in_flight: StepHandle | None = None
         # Live requests whose sampling reads the token history (penalties): while any
@@ -332,6 +336,7 @@ class EngineCore:
         if not sched.is_empty:
             self._in_flight = self.runner.execute(sched, prev)
             self.scheduler.update_from_output(sched)
+            self._iteration_tokens.append(sched.total_num_scheduled_tokens)
         if structured is not None and structured.over_budget:
             outputs += self._end_over_budget()
         if prev is not None:
@@ -435,6 +440,13 @@ class EngineCore:
         return g.is_terminated()
 
     # ---- stats ----------------------------------------------------------------------
+    def take_iteration_tokens(self) -> list[int]:
+        """The tokens each step launched since the last call computed (prompt tokens, a chunk of a long
+        prompt, one per decoding sequence), oldest first: vLLM's ``vllm:iteration_tokens_total``."""
+        taken = list(self._iteration_tokens)
+        self._iteration_tokens.clear()
+        return taken
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         so = self._structured.stats() if self._structured is not None else {}
@@ -548,3 +560,7 @@ class LLMEngine(ChatRequests):
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def take_iteration_tokens(self) -> list[int]:
+        """The tokens each engine step computed since the last call (``EngineCore.take_iteration_tokens``)."""
+        return self.core.take_iteration_tokens()

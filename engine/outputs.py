@@ -46,6 +46,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+#: steps' token counts an engine keeps for ``take_iteration_tokens`` (a worker takes them every step; a caller
+#: that never does, the offline ``LLM``, keeps only the newest this many)
+ITERATION_TOKENS_KEPT = 65536
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_running: int

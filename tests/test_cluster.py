@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import redis
@@ -172,6 +173,15 @@ def test_the_gateway_serves_completions_and_streams_from_a_cluster(cluster, tmp_
             with c.completions.create(model="fake-model", prompt="hold", max_tokens=400, stream=True) as held:
                 next(iter(held))
                 c.completions.create(model="fake-model", prompt="two more", max_tokens=2, stream=True)
+        # the queue's gauges read every shard stream of each lane (and the registry) on the cluster
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        time.sleep(0.3)  # past the window in which a scrape reuses the last one's figures
+        text = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=10).text
+        depth = {(s.labels["model_name"], s.labels["lane"]): s.value for f in text_string_to_metric_families(text)
+                 if f.name == "pagestream_queue_depth" for s in f.samples}
+        assert depth == {("fake-model", lane): 0 for lane in ("high", "normal", "low")}, text
     finally:
         gw.stop()
         worker.stop()

@@ -111,3 +111,28 @@ def test_a_dead_engine_core_stops_its_worker_and_another_finishes_its_jobs(r, re
         wa.stop(10)
         if wb is not None:
             wb.stop(10)
+
+
+def test_iteration_tokens_are_each_steps_computed_tokens_in_process_and_in_the_engine_process(tiny_llama_dir):
+    """What ``vllm:iteration_tokens_total`` observes (``take_iteration_tokens``): one count per step that ran, the
+    prompts on their first step and one token per decoding sequence after, the same from the engine process."""
+    from pagestream.engine import LLMEngine
+
+    cfg = EngineConfig(model=tiny_llama_dir, device="cpu", max_num_seqs=4, max_model_len=256, seed=0,
+                       async_scheduling=False, enable_prefix_caching=False)
+
+    def drive(engine) -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        engine.add_request("a", prompt_token_ids=[5, 6, 7, 8, 9, 10, 11], params=params)
+        engine.add_request("b", prompt_token_ids=[12, 13, 14], params=params)
+        taken: list[int] = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            taken += engine.take_iteration_tokens()
+        return taken + engine.take_iteration_tokens()
+
+    local = drive(LLMEngine(cfg))
+    # step 1 prefills both prompts (7 + 3 tokens); steps 2-5 decode both (their tokens 2..5)
+    assert local == [10, 2, 2, 2, 2]
+    with EngineProcess(cfg) as proc:
+        assert drive(proc) == local

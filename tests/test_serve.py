@@ -111,3 +111,62 @@ def test_serve_model_alone_answers_chat_and_runs_a_batch_to_completed(smollm2_di
     assert rc == 0, text[-3000:]
     assert "nanobind" not in text and "leaked" not in text, text[-3000:]
     assert "stopped after" in text  # the worker warm-stopped and said so
+
+
+def test_serve_metrics_carry_the_gateways_and_the_workers_series_in_one_scrape(tmp_path):
+    """Issue 24: ``pagestream serve``'s /metrics (the gateway's port) holds the gateway's request-level series, the
+    queue's gauges and its worker's engine series, each family once; a worker that does not answer leaves its
+    series out and the scrape still answers at once."""
+    import os
+    import signal
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = redis.Redis.from_url(DB_URL)
+    r.flushdb()
+    serve = ServeProc("fake:2", "--no-bulk-worker", "--served-model-name", "served-fake", log_dir=tmp_path)
+    try:
+        serve.wait_ready(120)
+        base = f"http://127.0.0.1:{serve.port}"
+        done = httpx.post(f"{base}/v1/completions", json={"model": "served-fake", "prompt": "count my tokens", "max_tokens": 4},
+                          timeout=60)
+        assert done.status_code == 200, done.text
+        m = {"model_name": "served-fake"}
+
+        def scrape() -> tuple[str, dict]:
+            text = httpx.get(f"{base}/metrics", timeout=10).text
+            return text, {f.name: f for f in text_string_to_metric_families(text)}
+
+        def has(fams: dict, family: str, sample: str) -> bool:
+            return family in fams and any(s.name == sample and s.labels == m for s in fams[family].samples)
+
+        # the worker's gauges are set every half second: wait for the first snapshot after the request
+        wait_for(lambda: has(scrape()[1], "vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc"), 30, "the worker's series")
+        text, fams = scrape()
+        types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+        assert len(types) == len(set(types)), sorted(t for t in types if types.count(t) > 1)  # each family once
+        assert has(fams, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count")  # the gateway's
+        assert has(fams, "vllm:num_requests_running", "vllm:num_requests_running")  # the worker's
+        assert has(fams, "vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc")
+        steps = [s for s in fams["vllm:iteration_tokens_total"].samples if s.name == "vllm:iteration_tokens_total_sum"]
+        assert [s.labels for s in steps] == [m] and steps[0].value == 3 + 4 - 1  # its prompt, then its tokens after the first
+        assert {(s.labels["model_name"], s.labels["lane"]) for s in fams["pagestream_queue_depth"].samples} == \
+            {("served-fake", lane) for lane in keys.LANES}
+        assert "pagestream_engine_steps_total" in text and "pagestream_gateway_requests_total" in text
+
+        # a worker that does not answer (stopped): the gateway's own series answer, at once
+        pid = int(re.search(r"worker\s+pid (\d+)", serve.log()).group(1))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            text, fams = scrape()
+            took = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert took < 3.0, took
+        assert "vllm:e2e_request_latency_seconds" in fams and "vllm:num_requests_running" not in fams
+    finally:
+        rc = serve.stop()
+        r.flushdb()
+        r.close()
+    assert rc == 0, serve.log()[-3000:]

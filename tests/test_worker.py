@@ -593,3 +593,39 @@ def test_a_burst_reaches_the_engine_in_chunks_before_it_is_all_checked(r, redis_
     assert all(res.status == JobStatus.COMPLETED for res in producer.results(ids, timeout=5))
     assert len(parsed_at_add) == 100
     assert parsed_at_add[0] <= intake.ACCEPT_CHUNK < 100, parsed_at_add[:3]
+
+
+def _histogram(registry, name: str) -> dict[str, float]:
+    """A histogram's ``_count``, ``_sum`` and buckets (by ``le``) as /metrics shows them, with its labels."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {"labels": set()}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in fam.samples:
+            if s.name == f"{name}_count":
+                out["count"], out["labels"] = s.value, out["labels"] | {tuple(sorted(s.labels.items()))}
+            elif s.name == f"{name}_sum":
+                out["sum"] = s.value
+            elif s.name == f"{name}_bucket":
+                out.setdefault("le", []).append(s.labels["le"])
+    return out
+
+
+def test_iteration_tokens_histogram_counts_each_engine_step_and_its_tokens(r, redis_url, producer):
+    """vLLM's ``vllm:iteration_tokens_total`` on the worker's /metrics: one observation per engine step, the tokens
+    it computed (a request's prompt on its first step, then one per decoding sample), vLLM's buckets, model_name."""
+    w = make_worker(r, redis_url, max_num_seqs=4, prefetch=0, served_model_name="m-iter")
+    prompts = [("one two three", 4), ("four five", 6), ("six seven eight nine", 3)]
+    jobs = [producer.submit(prompt=p, max_tokens=m, seed=1, model="m-iter", queue_unserved=True) for p, m in prompts]
+    w.run(burst=True)
+    for j in jobs:
+        assert producer.result(j, timeout=2).status == JobStatus.COMPLETED
+    hist = _histogram(w.metrics.registry, "vllm:iteration_tokens_total")  # vLLM's name: a histogram's, _total and all
+    assert hist["labels"] == {(("model_name", "m-iter"),)}
+    # each step computes something here, so the histogram's count is the worker's steps
+    assert hist["count"] == w.num_steps > 0
+    # each prompt once (its first step: the fake tokenizer's words) and each later token of each job once
+    assert hist["sum"] == sum(len(p.split()) + m - 1 for p, m in prompts)
+    assert hist["le"] == ["1.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0", "512.0", "1024.0", "2048.0", "4096.0",
+                          "8192.0", "16384.0", "+Inf"]

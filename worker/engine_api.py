@@ -41,3 +41,7 @@ class Engine(Protocol):
         """How many more requests the engine would admit now (the worker reads no more than that)."""
 
     def stats(self) -> Any: ...
+
+    def take_iteration_tokens(self) -> list[int]:
+        """The tokens each engine step computed since the last call (prompt + decode), oldest first: the worker
+        observes them as ``vllm:iteration_tokens_total``."""

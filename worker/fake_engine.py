@@ -76,6 +76,7 @@ class _Req:
     done: list[bool] = field(default_factory=list)
     started: bool = False
     prompt_logprobs_sent: bool = False
+    prefilled: bool = False  # its first step ran (that step computed the prompt)
 
 
 class FakeEngine:
@@ -87,6 +88,7 @@ class FakeEngine:
         self._used_blocks = 0
         self._num_generated = 0
         self._pending_errors: list[RequestOutput] = []
+        self._iteration_tokens: list[int] = []
 
     # -- the LLMEngine interface -------------------------------------------------------
 
@@ -158,6 +160,11 @@ class FakeEngine:
             num_generated_tokens=self._num_generated,
         )
 
+    def take_iteration_tokens(self) -> list[int]:
+        """The tokens each step since the last call computed (``LLMEngine.take_iteration_tokens``)."""
+        taken, self._iteration_tokens = self._iteration_tokens, []
+        return taken
+
     def step(self) -> list[RequestOutput]:
         if self.config.step_delay_s:
             time.sleep(self.config.step_delay_s)
@@ -170,6 +177,14 @@ class FakeEngine:
             self._used_blocks += req.blocks
             self._running[rid] = req
         outs: list[RequestOutput] = []
+        # the tokens this step computes, as the real engine counts them: a request's first step its prompt (and
+        # any resumed tokens), each later step one per sample still going
+        computed = 0
+        for req in self._running.values():
+            computed += sum(not d for d in req.done) if req.prefilled else len(req.prompt_token_ids) + sum(map(len, req.outputs))
+            req.prefilled = True
+        if computed:
+            self._iteration_tokens.append(computed)
         for rid, req in list(self._running.items()):
             deltas = []
             for s, toks in enumerate(req.outputs):

@@ -15,6 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import MetricsHandler
 
 
+#: vLLM's buckets for ``vllm:iteration_tokens_total`` (vllm/v1/metrics/loggers.py)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "") -> None:
         self.registry = registry or CollectorRegistry()
@@ -50,6 +54,9 @@ class WorkerMetrics:
         self.vllm_prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                                         m, registry=r)
         self.vllm_preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", m, registry=r)
+        # one observation per engine step: the tokens it computed (prompt chunks + one per decoding sequence)
+        self.vllm_iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                               m, buckets=ITERATION_TOKENS_BUCKETS, registry=r)
         self._engine_seen = {"q": 0, "h": 0, "p": 0}
         self._tokens_seen = 0
 
@@ -61,9 +68,15 @@ class WorkerMetrics:
         else:  # the fake engine: its stats are a few integers
             self.kv_free_blocks.set_function(lambda: engine.stats().num_free_blocks)
 
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, seconds: float, iteration_tokens: list[int] = ()) -> None:
+        """One ``engine.step()`` call; ``iteration_tokens``: the engine's steps it took in (``take_iteration_tokens``:
+        one each in process; an engine process may have run several, or none, since the last call)."""
         self.steps.inc()
         self.step_seconds.observe(seconds)
+        if iteration_tokens:
+            hist = self.vllm_iteration_tokens.labels(self.model_name)
+            for n in iteration_tokens:
+                hist.observe(n)
 
     def observe(self, st: Any, held: int, num_steps: int, num_completed: int) -> dict[str, Any]:
         """Gauges from the engine's ``EngineStats``; returns the snapshot ``pagestream stats`` shows."""

@@ -45,6 +45,15 @@ def resolve_model(model: str) -> str:
                                  param_hint="MODEL") from None
 
 
+def _free_port() -> int:
+    """A loopback port nothing listens on now (the worker binds it a moment later)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _forward(stream: IO[str], tag: str) -> threading.Thread:
     """Copy a child's output to ours, each line tagged with what it came from."""
 
@@ -96,7 +105,9 @@ def serve(
     bulk_worker: bool = typer.Option(True, "--bulk-worker/--no-bulk-worker",
                                      help="run a bulk-worker too (the Batch API needs one somewhere)"),
     metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar="PAGESTREAM_METRICS_PORT", show_envvar=True,
-                                               show_default="none", help="the worker serves Prometheus metrics (only /metrics) on this port"),
+                                               show_default="a free loopback port",
+                                               help="the worker serves Prometheus metrics (only /metrics) on this port; the "
+                                                    "gateway's /metrics carries them too"),
     drain_timeout: Optional[float] = typer.Option(None, "--drain-timeout", show_default="30",
                                                   help="seconds the worker's warm stop may take"),
     log_level: str = typer.Option("WARNING", "--log-level", help="DEBUG | INFO | WARNING | ERROR"),
@@ -127,8 +138,14 @@ def serve(
     consumer = f"serve-{os.uname().nodename}-{os.getpid()}"
     cmd = [sys.executable, "-m", "pagestream.worker.cli", "worker", "--redis-url", redis_url, "--model", path,
            "--served-model-name", name, "--consumer", consumer, "--log-level", log_level]
-    if metrics_port:
-        cmd += ["--metrics-port", str(metrics_port)]
+    # the worker always serves its metrics (on a free loopback port unless one is given), and the gateway's
+    # /metrics appends them to its own: one scrape of the one machine has the queue, the requests and the engine
+    metrics_port = metrics_port or _free_port()
+    cmd += ["--metrics-port", str(metrics_port)]
+    metrics_host = os.environ.get("PAGESTREAM_METRICS_HOST") or "127.0.0.1"  # what the worker binds (worker --metrics-host)
+    if metrics_host in ("0.0.0.0", "::"):
+        metrics_host = "127.0.0.1"
+    settings.worker_metrics_url = f"http://{metrics_host}:{metrics_port}/metrics"
     if drain_timeout is not None:
         cmd += ["--drain-timeout", str(drain_timeout)]
     cmd += engine_flags(engine_options or {})  # the worker's engine knobs, as given here
@@ -158,7 +175,7 @@ def serve(
             f"  gateway      http://{settings.host}:{settings.port}/v1 (OpenAI API: models, completions, chat, files, batches)",
             f"  redis        {redact_url(redis_url)}{' (embedded, stopped with serve)' if embedded is not None else ''}",
             f"  worker       pid {worker.pid}, consumer {consumer}, model {path} on {device}"
-            + (f", metrics on :{metrics_port}/metrics" if metrics_port else ""),
+            + f", metrics on :{metrics_port}/metrics (and on the gateway's /metrics)",
             "  bulk-worker  " + (f"pid {bulk.pid} (runs /v1/batches)" if bulk is not None else "not started (--no-bulk-worker): batches wait for one"),
             f"  files        {settings.files_uri}",
         ])

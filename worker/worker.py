@@ -164,7 +164,7 @@ class Worker:
         t2 = time.perf_counter()
         self.engine_time_s += t2 - t1
         self.num_steps += 1
-        self.metrics.observe_step(t2 - t1)
+        self.metrics.observe_step(t2 - t1, self.engine.take_iteration_tokens())
         self.publisher.put(self.results.publish(outputs, self.jobs))
         return time.perf_counter() - t2
 

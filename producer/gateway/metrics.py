@@ -5,14 +5,39 @@ and random paths would each make a new series (12,000 keyless requests to random
 ``/metrics`` to 71 MB and a scrape to 6 s). A request no route matched is counted under one label,
 ``UNMATCHED``. Other metric modules (vLLM's metric names) register on ``GatewayMetrics.registry`` and
 label by ``endpoint_label(scope)``, so they stay bounded the same way.
+
+The queue's gauges (``pagestream_queue_*``, per model and lane: what vLLM has no notion of) are read from
+Redis when ``/metrics`` is scraped (``QueueGauges.refresh``): at most ``MAX_QUEUE_MODELS`` models, two
+commands per lane stream, within ``QUEUE_REFRESH_TIMEOUT_S``; Redis down or slow leaves them out, and the
+rest of ``/metrics`` still answers. The admission check (``max_queue_depth``) reads the same figures
+(``queue_state``).
 """
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
+import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagestream.producer.gateway.vllm_metrics import VllmMetrics
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.lanes import LaneLayout
+from pagestream.producer.protocol.wire import as_str
+
+log = logging.getLogger(__name__)
+
+#: models (the most recently announced first) whose lanes one scrape reads
+MAX_QUEUE_MODELS = 64
+#: undelivered entries counted per stream when Redis cannot tell a group's lag (entries deleted behind it)
+MAX_COUNTED_ENTRIES = 1000
+#: how long a scrape waits for the queue's figures before it answers without them
+QUEUE_REFRESH_TIMEOUT_S = 1.0
+#: a scrape within this long of the last refresh reuses its figures
+QUEUE_REFRESH_MIN_S = 0.25
 
 #: the endpoint label of a request that matched no route (an unknown path: 404)
 UNMATCHED = "unmatched"
@@ -35,6 +60,7 @@ class GatewayMetrics:
         self.streams = Gauge("pagestream_gateway_open_streams", "Streaming responses in progress", registry=r)
         self.disconnect_cancels = Counter("pagestream_gateway_disconnect_cancels", "Jobs cancelled because their client went away", registry=r)
         self.vllm = VllmMetrics(r)  # vLLM's request-level names beside ours (issue 24)
+        self.queue = QueueGauges(r)  # the queue per model and lane, read from Redis at each scrape
 
     def observe_request(self, scope: dict[str, Any], status: int, seconds: float | None) -> None:
         """One answered request; ``seconds`` only for one answered in one body (streams time themselves)."""
@@ -42,3 +68,137 @@ class GatewayMetrics:
         self.requests.labels(endpoint, str(status)).inc()
         if seconds is not None:
             self.latency.labels(endpoint).observe(seconds)
+
+
+@dataclass(slots=True)
+class LaneQueue:
+    """One lane of one model, summed over its shard streams."""
+
+    depth: int = 0  # entries not yet delivered to the consumer group
+    pending: int = 0  # delivered, not acknowledged
+    oldest_ms: int | None = None  # unix ms of the oldest undelivered entry (from its stream id)
+
+
+def _entry_ms(entry_id: Any) -> int:
+    return int(as_str(entry_id).split("-", 1)[0])
+
+
+async def _stream_queue(client: Any, stream: str, group: str, ages: bool) -> LaneQueue:
+    """One lane stream's figures for ``group``: XINFO GROUPS (lag, pending, last delivered id), then (``ages``, or
+    an unknown lag) one XRANGE past the last delivered id: the oldest undelivered entry, or up to
+    ``MAX_COUNTED_ENTRIES`` of them counted when the lag is unknown. No stream yet: nothing queued; no group yet
+    (no worker ever read it): every entry undelivered."""
+    try:
+        groups = await client.xinfo_groups(stream)
+    except redis.ResponseError:  # no stream yet (a connection error is raised: it ends the read)
+        return LaneQueue()
+    g = next((g for g in groups if as_str(g.get("name"), "replace") == group), None)
+    if g is None:
+        depth = await client.xlen(stream)
+        first = await client.xrange(stream, count=1) if depth and ages else []
+        return LaneQueue(depth, 0, _entry_ms(first[0][0]) if first else None)
+    last = as_str(g.get("last-delivered-id")) or "0-0"
+    lag = g.get("lag")
+    if lag is not None and not ages:
+        return LaneQueue(int(lag), int(g.get("pending") or 0))
+    after = await client.xrange(stream, min=f"({last}", count=1 if lag is not None else MAX_COUNTED_ENTRIES)
+    depth = int(lag) if lag is not None else len(after)
+    return LaneQueue(depth, int(g.get("pending") or 0), _entry_ms(after[0][0]) if after and depth else None)
+
+
+async def queue_state(client: Any, layout: LaneLayout, model: str, group: str = keys.DEFAULT_GROUP,
+                      ages: bool = True) -> dict[str, LaneQueue]:
+    """Each lane of ``model``'s queue (every shard stream of it on a cluster: ``layout.streams``), read now;
+    ``ages=False``: depth and pending only (one command a stream while Redis knows the lag)."""
+    out: dict[str, LaneQueue] = {}
+    for lane in keys.LANES:
+        total = LaneQueue()
+        for part in await asyncio.gather(*(_stream_queue(client, s, group, ages) for s in layout.streams(lane, model))):
+            total.depth += part.depth
+            total.pending += part.pending
+            if part.oldest_ms is not None:
+                total.oldest_ms = part.oldest_ms if total.oldest_ms is None else min(total.oldest_ms, part.oldest_ms)
+        out[lane] = total
+    return out
+
+
+class QueueGauges:
+    """``pagestream_queue_depth`` / ``_pending`` / ``_oldest_age_seconds`` {model_name, lane}, set at each scrape."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels, r = ["model_name", "lane"], registry
+        self.depth = Gauge("pagestream_queue_depth", "Jobs queued for a model on a lane that no worker has taken yet "
+                           "(the consumer group's lag, over every shard stream)", labels, registry=r)
+        self.pending = Gauge("pagestream_queue_pending", "Jobs a worker has taken and not yet acknowledged (in flight)",
+                             labels, registry=r)
+        self.oldest_age = Gauge("pagestream_queue_oldest_age_seconds",
+                                "Age of the oldest job no worker has taken yet (0 when none waits)", labels, registry=r)
+        self._lock = asyncio.Lock()
+        self._at = float("-inf")
+
+    async def refresh(self, producer: Any, timeout_s: float = QUEUE_REFRESH_TIMEOUT_S) -> None:
+        """Read every announced model's lanes (at most ``MAX_QUEUE_MODELS``) within ``timeout_s``; on a failure or
+        a timeout the gauges are dropped (absent, never stale) and the scrape goes on without them."""
+        async with self._lock:  # concurrent scrapes share one read
+            if time.monotonic() - self._at < QUEUE_REFRESH_MIN_S:
+                return
+            try:
+                figures = await asyncio.wait_for(self._read(producer), timeout_s)
+            except Exception as exc:  # Redis down, slow or failing: /metrics answers without the queue
+                log.debug("queue gauges not refreshed: %s", type(exc).__name__)
+                for g in (self.depth, self.pending, self.oldest_age):
+                    g.clear()
+                self._at = float("-inf")
+                return
+            self._at = time.monotonic()
+            now_ms = time.time() * 1000
+            for g in (self.depth, self.pending, self.oldest_age):
+                g.clear()  # a model no longer in the registry leaves no series behind
+            for model, lanes in figures.items():
+                for lane, q in lanes.items():
+                    self.depth.labels(model, lane).set(q.depth)
+                    self.pending.labels(model, lane).set(q.pending)
+                    age = 0.0 if q.oldest_ms is None else max(0.0, (now_ms - q.oldest_ms) / 1000)
+                    self.oldest_age.labels(model, lane).set(age)
+
+    @staticmethod
+    async def _read(producer: Any) -> dict[str, dict[str, LaneQueue]]:
+        client = producer.redis
+        # every model ever announced, newest first: a model whose workers are all gone (scaled to zero, crashed)
+        # is the one whose queue matters most
+        models = [as_str(m, "replace") for m in await client.zrevrange(keys.model_registry(), 0, MAX_QUEUE_MODELS - 1)]
+        layout = await producer.layout()
+        return {m: await queue_state(client, layout, m) for m in models}
+
+
+def _family(line: bytes) -> bytes | None:
+    """The family a ``# HELP`` / ``# TYPE`` line names (None for any other line)."""
+    parts = line.split(None, 3)
+    return parts[2] if len(parts) >= 3 and parts[0] == b"#" and parts[1] in (b"HELP", b"TYPE") else None
+
+
+def append_exposition(own: bytes, other: bytes) -> bytes:
+    """``own`` (Prometheus text) followed by the families of ``other`` that ``own`` does not hold: a family
+    named twice in one exposition makes Prometheus refuse the whole scrape."""
+    have = {f for f in map(_family, own.splitlines()) if f is not None}
+    out, keep = [], True
+    for line in other.splitlines():
+        name = _family(line)
+        if name is not None:
+            keep = name not in have
+        if keep and line.strip():
+            out.append(line)
+    if not out:
+        return own
+    return own + (b"" if own.endswith(b"\n") or not own else b"\n") + b"\n".join(out) + b"\n"
+
+
+async def fetch_exposition(client: Any, url: str, timeout_s: float) -> bytes:
+    """Another process's ``/metrics`` (``pagestream serve``: its worker's), or nothing when it does not answer
+    within ``timeout_s`` (the worker loading its model, stopped, or gone: the gateway's own series still answer)."""
+    try:
+        resp = await client.get(url, timeout=timeout_s)
+    except Exception as exc:  # httpx's errors, a refused connection, a timeout
+        log.debug("no metrics from %s: %s", url, type(exc).__name__)
+        return b""
+    return resp.content if resp.status_code == 200 else b""

@@ -26,6 +26,7 @@ from pagestream.producer.client import JobNotFound
 from pagestream.producer.gateway.asgi import EventStream
 from pagestream.producer.gateway.errors import GatewayError
 from pagestream.producer.gateway.limits import StreamSlot
+from pagestream.producer.gateway.metrics import queue_state
 from pagestream.producer.gateway.protocol import (MAX_LISTED_ERRORS, OpenAIRequest, check_choices, check_list_lengths,
                                                   first_error_loc, usage_chunk)
 from pagestream.producer.gateway.state import GatewayState
@@ -164,16 +165,9 @@ class OpenAIServing:
         at, depth = self._depth.get(model, (0.0, 0))
         if time.monotonic() - at < 0.25:
             return depth
-        depth = 0
-        redis = self.producer.redis
-        layout = await self.producer.layout()  # every shard of each lane on a cluster
-        for stream in (s for lane in keys.LANES for s in layout.streams(lane, model)):
-            try:
-                groups = await redis.xinfo_groups(stream)
-            except Exception:  # no stream yet
-                continue
-            lags = [g.get("lag") for g in groups]
-            depth += max((lag for lag in lags if lag is not None), default=0) if groups else await redis.xlen(stream)
+        # every shard of each lane on a cluster; the figures /metrics shows as pagestream_queue_depth
+        lanes = await queue_state(self.producer.redis, await self.producer.layout(), model, ages=False)
+        depth = sum(q.depth for q in lanes.values())
         self._depth[model] = (time.monotonic(), depth)
         return depth
 

@@ -80,6 +80,11 @@ class GatewaySettings(BaseSettings):
     # usage chunk) when N > 0: the prompt tokens served from a worker's prefix cache (vLLM's
     # --enable-prompt-tokens-details); absent otherwise
     enable_prompt_tokens_details: bool = False
+    # a worker's Prometheus endpoint (``http://127.0.0.1:PORT/metrics``) whose series this gateway's /metrics carries
+    # after its own, the families it already has left out: ``pagestream serve`` sets it to its worker's, so one
+    # scrape of the one machine gets both. A worker that does not answer within worker_metrics_timeout_s is left out.
+    worker_metrics_url: str | None = None
+    worker_metrics_timeout_s: float = Field(0.5, gt=0)
 
     @field_validator("tool_call_parser")
     @classmethod

@@ -6,14 +6,16 @@ import asyncio
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
+import httpx
 from fastapi import Request
+from prometheus_client import generate_latest
 
 from pagestream.producer.client import AsyncProducer
 from pagestream.producer.client.aio import cancel_until_done
 from pagestream.producer.gateway.auth import KeyTable
 from pagestream.producer.gateway.body import BodyChecks
 from pagestream.producer.gateway.limits import TenantAdmission
-from pagestream.producer.gateway.metrics import GatewayMetrics
+from pagestream.producer.gateway.metrics import GatewayMetrics, append_exposition, fetch_exposition
 from pagestream.producer.gateway.settings import GatewaySettings
 from pagestream.producer.gateway.stream_leases import StreamLeases
 
@@ -37,6 +39,8 @@ class GatewayState:
         self._background: set[asyncio.Task] = set()
         self.leases = StreamLeases(self)  # streamed jobs whose client (or gateway) went away
         self._reaper: asyncio.Task | None = None
+        # ``worker_metrics_url``: the worker whose series /metrics appends (``pagestream serve``)
+        self._scrape = httpx.AsyncClient(trust_env=False) if settings.worker_metrics_url else None  # no proxy to loopback
         # set by app.py once the state exists (each takes the state)
         self.models: OpenAIServingModels
         self.completions: OpenAIServingCompletion
@@ -55,6 +59,16 @@ class GatewayState:
         """Start what runs beside the requests for the gateway's life (the stream lease reaper)."""
         self._reaper = asyncio.get_running_loop().create_task(self.leases.reap())
 
+    async def exposition(self) -> bytes:
+        """What ``/metrics`` answers: the queue's gauges read now (bounded; left out when Redis does not answer),
+        every series of this gateway, then those of ``worker_metrics_url``'s worker it does not have."""
+        await self.metrics.queue.refresh(self.producer)
+        own = generate_latest(self.metrics.registry)
+        if self._scrape is None:
+            return own
+        other = await fetch_exposition(self._scrape, self.settings.worker_metrics_url, self.settings.worker_metrics_timeout_s)
+        return append_exposition(own, other)
+
     async def aclose(self) -> None:
         if self._reaper is not None:
             await cancel_until_done(self._reaper)
@@ -67,6 +81,8 @@ class GatewayState:
                 await cancel_until_done(task)
         self.batches.close()
         self.body_checks.close()
+        if self._scrape is not None:
+            await self._scrape.aclose()
         await self.producer.aclose()
 
 

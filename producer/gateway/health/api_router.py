@@ -6,7 +6,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 router = APIRouter()
 
@@ -42,4 +42,5 @@ async def server_load(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(request.app.state.gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    # the queue's gauges are read from Redis now, and pagestream serve's worker's series appended (GatewayState)
+    return Response(await request.app.state.gateway.exposition(), media_type=CONTENT_TYPE_LATEST)
