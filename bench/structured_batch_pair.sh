@@ -20,7 +20,7 @@ one() {  # tree label
 }
 echo "== mask host time alone"
 (. bench/device_env.sh && timeout 100 python3 bench/structured_mask_host.py --steps 60 --out "$OUT/mask" 2>&1 | grep -v nanobind)
-for i in 1 2; do
+for i in $(seq 1 ${PAIRS:-2}); do
   one .before "before$i"
   one . "after$i"
 done
