@@ -177,7 +177,8 @@ class EngineCore:
     def _grammar_rows(self, seqs: list[Sequence], prev: StepHandle | None = None):
         """The step's bitmask for the constrained ones among ``seqs``, each matcher brought to the
         output its sequence holds plus the token ``prev`` (the step still in flight) sampled for it:
-        one accept in the common case; after a preemption or a resume, a re-advance.
+        in the common case one new token a sequence, all taken in one batch call (the manager's
+        ``accept``); after a preemption or a resume, a re-advance.
 
         Called by the runner with this step's forward pass queued: waiting for ``prev`` here lets the
         device run it meanwhile (asynchronous scheduling stays on). A sequence ``prev`` ended (EOS,
@@ -190,6 +191,8 @@ class EngineCore:
         over_budget = manager.over_budget
         rows = None
         pending = None
+        new_g: list = []
+        new_t: list[int] = []
         for i, seq in enumerate(seqs):
             if seq.params.structured_outputs is None:
                 continue
@@ -201,17 +204,35 @@ class EngineCore:
             if over_budget and seq.request_id in over_budget:
                 continue
             g = manager.grammar(seq.seq_id, seq.request_id)
-            out = seq.token_ids[seq.num_prompt_tokens:]
+            rows[i] = g
+            toks = seq.token_ids
+            start = seq.num_prompt_tokens
+            n = len(toks) - start  # output tokens, the one in flight counted below
+            new = None
             if seq.num_pending_tokens and pending is not None and seq in prev.rows:
-                out.append(pending[prev.rows[seq]])
-            if g.num_processed_tokens != len(out) or (out and g.accepted[-1] != out[-1]):
-                if not g.advance_to(out):
-                    if seq.request_id in over_budget:
-                        continue
-                    logger.warning("request %s: output tokens do not conform to its grammar", seq.request_id)
-            rows[i] = None if g.is_terminated() else g
+                new = pending[prev.rows[seq]]
+                n += 1
+            done = g.num_processed_tokens
+            # the matcher's last token must be the output's at its place (else the output changed under it)
+            if not done or (done <= n and g.accepted[-1] == (toks[start + done - 1] if start + done <= len(toks)
+                                                              else new)):
+                if done == n:
+                    continue
+                if done == n - 1:  # the common case: one new token
+                    new_g.append(g)
+                    new_t.append(new if new is not None else toks[-1])
+                    continue
+            out = toks[start:]
+            if new is not None:
+                out.append(new)
+            if not g.advance_to(out) and seq.request_id not in over_budget:
+                logger.warning("request %s: output tokens do not conform to its grammar", seq.request_id)
         if rows is None:
             return None
+        if new_g:
+            for g in manager.accept(new_g, new_t):
+                if g.request_id not in over_budget:
+                    logger.warning("request %s: output tokens do not conform to its grammar", g.request_id)
         return manager.fill_bitmask(rows)
 
     def _admit_compiled(self) -> list[RequestDelta]:
@@ -324,7 +345,7 @@ class EngineCore:
         prev = self._in_flight
         self._in_flight = None
         if prev is not None and (not self.config.async_scheduling or self._num_history_requests):
-            outputs += self._read_tokens(prev)
+            outputs += self._read_tokens(prev, accept_grammars=True)
             prev = None
         # a grammar over its budget (found reading tokens, or filling the mask below) ends its request
         # before its sequences are scheduled again
@@ -343,10 +364,12 @@ class EngineCore:
             outputs += self._read_tokens(prev)
         return outputs
 
-    def _read_tokens(self, step: StepHandle) -> list[RequestDelta | TokenBatch]:
+    def _read_tokens(self, step: StepHandle, accept_grammars: bool = False) -> list[RequestDelta | TokenBatch]:
         """Wait for a launched step's tokens, end the sequences they finish (EOS, stop token ids,
         lengths, a grammar's end) and report them: one ``TokenBatch`` for the single-sample requests
-        without logprobs that go on, a ``RequestDelta`` for each other request."""
+        without logprobs that go on, a ``RequestDelta`` for each other request. ``accept_grammars``: a
+        synchronous step, whose constrained sequences' matchers take these tokens here, in one batch call
+        (an asynchronous step's took them when the next step's mask was filled)."""
         if step.prompt_logprobs is not None:
             self._add_prompt_logprobs(step.prompt_logprobs.wait())
         sampled = step.result()
@@ -354,6 +377,8 @@ class EngineCore:
         accepted = self.scheduler.append_tokens(step.seqs, sampled.token_ids)
         if not accepted:
             return []
+        if accept_grammars and self._structured is not None and self._structured.num_grammars:
+            self._accept_grammars(accepted)
         self.num_generated_tokens += len(accepted)
         requests = self._requests
         logprobs = sampled.logprobs if sampled.logprobs.count(None) < len(sampled.logprobs) else None
@@ -428,16 +453,31 @@ class EngineCore:
         if (p.max_tokens is not None and num_output >= p.max_tokens) or num_tokens >= self.config.max_model_len:
             self.scheduler.finish(seq, "length")
 
+    def _accept_grammars(self, accepted: list[tuple[int, Sequence]]) -> None:
+        """The constrained sequences' matchers take the token each just got, in one batch call (a matcher
+        that refuses is left behind and ``_grammar_rows`` says so when it re-advances)."""
+        manager = self._structured
+        over_budget = manager.over_budget
+        grammars, tokens = [], []
+        for _, seq in accepted:
+            if seq.params.structured_outputs is None or (over_budget and seq.request_id in over_budget):
+                continue
+            g = manager.grammar(seq.seq_id, seq.request_id)
+            if g.num_processed_tokens == len(seq.token_ids) - seq.num_prompt_tokens - 1:
+                grammars.append(g)
+                tokens.append(seq.token_ids[-1])
+        if grammars:
+            manager.accept(grammars, tokens)
+
     def _grammar_terminated(self, seq: Sequence, token: int) -> bool:
         """The grammar took ``token`` as its end (a stop token after a complete match): the request is done
         whatever ignore_eos says, since nothing more can follow."""
         if seq.request_id in self._structured.over_budget:
             return False  # no more matcher work: the request ends with its error this step
         g = self._structured.grammar(seq.seq_id, seq.request_id)
-        out = seq.token_ids[seq.num_prompt_tokens:]
-        if g.num_processed_tokens == len(out) - 1 and g.accept_tokens([token]):
-            return g.is_terminated()
-        return g.is_terminated()
+        if g.num_processed_tokens == len(seq.token_ids) - seq.num_prompt_tokens - 1:
+            g.accept_tokens((token,))  # not taken yet (a step no mask followed): alone
+        return g.terminated
 
     # ---- stats ----------------------------------------------------------------------
     def take_iteration_tokens(self) -> list[int]:

@@ -6,9 +6,11 @@ the next step's row, and ``advance_to`` when the output it holds changed under t
 rollback of tokens the engine dropped): the matcher is re-advanced over exactly the output
 tokens the sequence keeps, so the text it finishes still conforms.
 
-Each call into xgrammar (a token's accept, a row's fill) is timed and handed to ``charge`` (the
+Each call into xgrammar made here (a token's accept, a row's fill) is timed and handed to ``charge`` (the
 manager's budget, see manager.py): an ambiguous grammar's matcher can cost more per token the
 longer the output grows, and the engine ends a request whose constraint costs more than its bounds.
+``cost`` keeps the last such call's time: the manager steps the matchers whose last call was cheap all
+at once (``accept``/``fill_bitmask`` there, xgrammar's batch calls) and these one by one, timed.
 """
 from __future__ import annotations
 
@@ -26,11 +28,27 @@ Charge = Callable[[float, bool], bool]
 
 
 class StructuredOutputGrammar:
-    def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int, charge: Charge | None = None) -> None:
+    __slots__ = ("_matcher", "vocab_size", "accepted", "_charge", "request_id", "cost", "terminated", "_stop")
+
+    def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int, charge: Charge | None = None,
+                 request_id: str | None = None) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self.accepted: list[int] = []  # output tokens the matcher has taken, in order
         self._charge = charge
+        self.request_id = request_id
+        # the thread CPU seconds of the last timed call into the matcher (None: none yet, or to be timed again)
+        self.cost: float | None = None
+        # the matcher took a stop token (kept here: asking xgrammar is a call per row and step). A stop token
+        # is taken only after a complete match, and nothing after it, so this is "the last accepted is one"
+        self.terminated = False
+        self._stop = frozenset(matcher.stop_token_ids)
+
+    def took(self, token: int) -> None:
+        """Record ``token`` as accepted by the matcher (the manager's batch accept said so)."""
+        self.accepted.append(token)
+        if token in self._stop:
+            self.terminated = True
 
     @property
     def num_processed_tokens(self) -> int:
@@ -43,19 +61,20 @@ class StructuredOutputGrammar:
         charge = self._charge
         last = len(token_ids) - 1
         for k, t in enumerate(token_ids):
-            if self._matcher.is_terminated() or not (0 <= t < self.vocab_size):
+            if self.terminated or not (0 <= t < self.vocab_size):
                 return False
             if charge is None:
                 if not self._matcher.accept_token(t):
                     return False
-                self.accepted.append(t)
+                self.took(t)
                 continue
             t0 = thread_time()
             ok = self._matcher.accept_token(t)
-            within = charge(thread_time() - t0, k < last)
+            self.cost = seconds = thread_time() - t0
+            within = charge(seconds, k < last)
             if not ok:
                 return False
-            self.accepted.append(t)
+            self.took(t)
             if not within:
                 return False
         return True
@@ -67,6 +86,7 @@ class StructuredOutputGrammar:
             raise ValueError(f"cannot roll back {num_tokens} tokens: the matcher holds {len(self.accepted)}")
         self._matcher.rollback(num_tokens)
         del self.accepted[-num_tokens:]
+        self.terminated = bool(self.accepted) and self.accepted[-1] in self._stop
 
     def advance_to(self, output_token_ids: Sequence[int]) -> bool:
         """Bring the matcher to the state after ``output_token_ids``: roll back to the common
@@ -89,11 +109,12 @@ class StructuredOutputGrammar:
             return
         t0 = thread_time()
         self._matcher.fill_next_token_bitmask(bitmask, row)
-        self._charge(thread_time() - t0, False)
+        self.cost = seconds = thread_time() - t0
+        self._charge(seconds, False)
 
     def is_terminated(self) -> bool:
         """The grammar reached its end and took a stop token: the request finishes with ``"stop"``."""
-        return self._matcher.is_terminated()
+        return self.terminated
 
     def is_completed(self) -> bool:
         """The text so far is a complete match (a stop token may come next)."""
@@ -102,3 +123,4 @@ class StructuredOutputGrammar:
     def reset(self) -> None:
         self._matcher.reset()
         self.accepted.clear()
+        self.terminated = False

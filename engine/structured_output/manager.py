@@ -12,6 +12,15 @@ time: a host under load or a throttled container must not end requests) is charg
 step and to its request's total; a request over ``step_budget_s`` (one sequence's work in one step) or
 ``request_budget_s`` (all its sequences' work) is listed in ``over_budget`` with the message it ends with,
 and the engine ends it (the same path as a grammar that cannot compile). 0 turns a bound off.
+
+A step's work is done in two batch calls, not two Python calls per sequence (issue 23, acceptance 5): every
+sequence's new token in one ``xgr.BatchGrammarMatcher.batch_accept_token`` (``accept``) and every row of the
+mask in one ``batch_fill_next_token_bitmask`` over ``batch_threads`` threads (``fill_bitmask``). A batch call
+times all its rows together, so the budget splits its time evenly among them, and a matcher is batched only
+while its last call timed on its own was cheap (``cost`` at most a 16th of the step bound): each matcher's
+first call, a catch-up (a resume, a rollback) and any call after a batch call that took over a quarter of the
+step bound are made one by one and timed, so a matcher that grows costly is found (and ended) by its own time
+within a step of its batch growing slow.
 """
 from __future__ import annotations
 
@@ -20,14 +29,23 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 import torch
+import xgrammar as xgr
 
 from pagestream.engine.structured_output.backend_xgrammar import StructuredOutputError, XgrammarBackend
 from pagestream.engine.structured_output.bitmask import allocate_bitmask
 from pagestream.engine.structured_output.grammar import StructuredOutputGrammar
 from pagestream.engine.structured_output.params import StructuredOutputsParams
+
+try:  # xgrammar's binding itself: its wrapper reads the result back one ffi call a row (~0.6 us each)
+    from xgrammar.matcher import _core as _xgr_core
+
+    _batch_accept_token = _xgr_core.BatchGrammarMatcher.batch_accept_token
+except (ImportError, AttributeError):  # pragma: no cover - another xgrammar layout: the public wrapper
+    _batch_accept_token = None
 
 
 @dataclass(slots=True)
@@ -42,7 +60,8 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, stop_token_ids: list[int] | None = None,
                  max_threads: int = 4, cache_size: int = 256, compile_timeout_s: float = 60.0,
-                 pin_memory: bool = False, step_budget_s: float = 0.05, request_budget_s: float = 10.0) -> None:
+                 pin_memory: bool = False, step_budget_s: float = 0.05, request_budget_s: float = 10.0,
+                 batch_threads: int = 1) -> None:
         self._backend_args = dict(stop_token_ids=stop_token_ids, max_threads=max_threads, cache_size=cache_size,
                                   compile_timeout_s=compile_timeout_s)
         self._tokenizer = tokenizer
@@ -64,6 +83,15 @@ class StructuredOutputManager:
         self.over_budget: dict[str, str] = {}  # request_id -> the error it ends with
         self._grammar_s = 0.0
         self._budget_errors = 0
+        # the batch calls (see the module's doc): a matcher whose last call timed alone took at most cheap_s is
+        # batched; a batch call over watch_s has each of its matchers timed alone again at its next call
+        self.batch_threads = batch_threads
+        self._batch: xgr.BatchGrammarMatcher | None = None
+        if step_budget_s:
+            self._watch_s = step_budget_s / 4
+        else:
+            self._watch_s = 0.0125 if request_budget_s else float("inf")
+        self._cheap_s = self._watch_s / 4
 
     @property
     def backend(self) -> XgrammarBackend:
@@ -104,8 +132,14 @@ class StructuredOutputManager:
             if compiled is None:
                 raise RuntimeError(f"request {request_id!r}: grammar used before is_ready() said so")
             g = self._grammars[seq_id] = StructuredOutputGrammar(
-                self.backend.matcher(compiled), self.vocab_size, functools.partial(self._charge, seq_id, request_id))
+                self.backend.matcher(compiled), self.vocab_size, functools.partial(self._charge, seq_id, request_id),
+                request_id)
         return g
+
+    @property
+    def num_grammars(self) -> int:
+        """Sequences with a matcher now."""
+        return len(self._grammars)
 
     def free_sequence(self, seq_id: str) -> None:
         self._grammars.pop(seq_id, None)
@@ -149,23 +183,101 @@ class StructuredOutputManager:
         self._budget_errors += 1
         return False
 
+    def _charge_batch(self, grammars: list[StructuredOutputGrammar], seconds: float) -> None:
+        """One batch call's time: an even share to each of its requests' totals; over ``watch_s``, each of
+        its matchers is timed alone at its next call (one of them may have grown costly)."""
+        self._grammar_s += seconds
+        if seconds > self._watch_s:
+            for g in grammars:
+                g.cost = None
+        limit = self.request_budget_s
+        if not limit:
+            return
+        share = seconds / len(grammars)
+        spent = self._request_spent
+        for g in grammars:
+            rid = g.request_id
+            total = spent.get(rid, 0.0) + share
+            spent[rid] = total
+            if total > limit and rid not in self.over_budget:
+                self.over_budget[rid] = (f"structured output grammar took {total:.1f} s in all "
+                                         f"(limit {limit:g} s): the constraint is too costly to follow")
+                self._budget_errors += 1
+
+    # ---- the step's tokens -----------------------------------------------------------------------
+
+    def accept(self, grammars: list[StructuredOutputGrammar], tokens: list[int]) -> list[StructuredOutputGrammar]:
+        """Each of ``grammars`` takes its one new token (``tokens``, in order): the cheap ones in one batch
+        call, the rest one by one (see the module's doc). Returns the grammars that refused their token
+        (or went over their budget taking it), left where they were."""
+        batch: list[StructuredOutputGrammar] = []
+        batch_tokens: list[int] = []
+        refused = []
+        vocab = self.vocab_size
+        for g, t in zip(grammars, tokens):
+            if g.terminated:
+                refused.append(g)
+            elif g.cost is not None and g.cost <= self._cheap_s and 0 <= t < vocab:
+                batch.append(g)
+                batch_tokens.append(t)
+            elif not g.accept_tokens((t,)):
+                refused.append(g)
+        if batch:
+            t0 = perf_counter()
+            if _batch_accept_token is not None:
+                res = _batch_accept_token([g._matcher._handle for g in batch], batch_tokens, False)
+                ok = None if 0 not in res else [bool(x) for x in res]  # one call when all took theirs
+            else:
+                ok = xgr.BatchGrammarMatcher.batch_accept_token([g._matcher for g in batch], batch_tokens)
+            self._charge_batch(batch, perf_counter() - t0)
+            if ok is None:
+                for g, t in zip(batch, batch_tokens):
+                    g.took(t)
+            else:
+                for g, t, took in zip(batch, batch_tokens, ok):
+                    if took:
+                        g.took(t)
+                    else:
+                        refused.append(g)
+            over = self.over_budget
+            if over:
+                refused += [g for g in batch if g.request_id in over]
+        return refused
+
     # ---- the step's mask -------------------------------------------------------------------------
 
     def fill_bitmask(self, rows: Sequence[StructuredOutputGrammar | None]) -> tuple[torch.Tensor, list[int]]:
         """The bitmask of one step: row i from ``rows[i]``'s matcher, unconstrained rows (None) left
-        all-allowed and not listed. Returns (bitmask [len(rows), words] int32 host, constrained row
-        indices). The tensor is reused across steps: the caller makes sure the last one was copied to the
-        device before the next call (the engine waits for the step it was applied in)."""
+        all-allowed and not listed, and so are the rows of a terminated matcher (its request is done) and of
+        a request over its budget (it ends this step). The cheap matchers' rows are filled in one batch call
+        (see the module's doc). Returns (bitmask [len(rows), words] int32 host, constrained row indices).
+        The tensor is reused across steps: the caller makes sure the last one was copied to the device
+        before the next call (the engine waits for the step it was applied in)."""
         n = len(rows)
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = allocate_bitmask(max(n, 2 * (0 if self._bitmask is None else self._bitmask.shape[0])),
                                              self.vocab_size, pin_memory=self._pin_memory)
         bitmask = self._bitmask[:n]
         constrained = []
+        batch: list[StructuredOutputGrammar] = []
+        batch_rows: list[int] = []
+        cheap = self._cheap_s
+        over = self.over_budget
         for i, g in enumerate(rows):
-            if g is not None:
+            if g is None or g.terminated or (over and g.request_id in over):
+                continue
+            constrained.append(i)
+            if g.cost is not None and g.cost <= cheap:
+                batch.append(g)
+                batch_rows.append(i)
+            else:
                 g.fill_bitmask(bitmask, i)
-                constrained.append(i)
+        if batch:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(self.batch_threads)
+            t0 = perf_counter()
+            self._batch.batch_fill_next_token_bitmask([g._matcher for g in batch], bitmask, batch_rows)
+            self._charge_batch(batch, perf_counter() - t0)
         return bitmask, constrained
 
     def stats(self) -> dict[str, float]:
@@ -175,7 +287,7 @@ class StructuredOutputManager:
             "structured_cache_hits": s.cache_hits if s else 0,
             "structured_compile_errors": s.compile_errors if s else 0,
             "structured_compile_s": s.compile_s if s else 0.0,
-            "structured_grammar_s": self._grammar_s,  # the matchers' host CPU time, all requests
+            "structured_grammar_s": self._grammar_s,  # the matchers' host time, all requests (CPU; a batch call: wall)
             "structured_budget_errors": self._budget_errors,  # requests ended over their budget
         }
 
