@@ -53,6 +53,27 @@ try:
 except ImportError:  # a producer-only install without the dev extra
     pass
 
+
+
+def pytest_configure(config):
+    # The suite's `python -m pagestream...` processes fork from a warm interpreter (tests/zygote.py). Started
+    # now, with the environment set above, so it imports while collection runs; not in an xdist controller,
+    # which runs no test.
+    if not (getattr(config.option, "numprocesses", None) and not _XDIST_WORKER):
+        from zygote import start
+
+        start()
+
+
+def pytest_terminal_summary(terminalreporter):
+    from zygote import counts
+
+    forked, fresh = counts()
+    if forked or fresh:
+        terminalreporter.write_line(f"processes started by tests/zygote.py: {forked} forked from the zygote, "
+                                    f"{fresh} fresh (PAGESTREAM_TEST_ZYGOTE=0 starts every one fresh)")
+
+
 REDIS_HOST = os.environ.get("PAGESTREAM_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("PAGESTREAM_TEST_REDIS_PORT", "6379"))
 REDIS_DB = int(os.environ.get("PAGESTREAM_TEST_REDIS_DB", "9"))

@@ -13,6 +13,7 @@ import httpx
 
 from private_redis import free_port
 from queue_helpers import ROOT, wait_for
+from zygote import spawn
 
 #: the test Redis db (PAGESTREAM_TEST_REDIS_DB) the gateway tests flush
 DB_URL = f"redis://{os.environ.get('PAGESTREAM_TEST_REDIS_HOST', '127.0.0.1')}:{os.environ.get('PAGESTREAM_TEST_REDIS_PORT', '6379')}/{os.environ.get('PAGESTREAM_TEST_REDIS_DB', '9')}"
@@ -25,8 +26,8 @@ class GatewayProc:
         self.log_path = log_dir / f"gateway-{self.port}.log"
         self._log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "pagestream.worker.cli", "gateway", "--redis-url", redis_url, "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.proc = spawn(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
     def log(self) -> str:
         self._log.flush()
@@ -69,8 +70,8 @@ class ServeProc:
         if redis_url is not None:
             cmd += ["--redis-url", redis_url]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}  # None: unset
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={k: v for k, v in full_env.items() if v is not None})
+        self.proc = spawn(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                          env={k: v for k, v in full_env.items() if v is not None})
 
     def log(self) -> str:
         if not self._log.closed:
@@ -180,7 +181,7 @@ def batch_stack(log_dir: Path, files_dir: Path, model: str, consumer: str, *gate
         with gateway_stack(DB_URL, log_dir, model, consumer, *worker_args, engine=engine, gateway_args=gateway_args,
                            gateway_env={"PAGESTREAM_GATEWAY_FILES_URI": str(files_dir), **(gateway_env or {})},
                            worker_env={"PAGESTREAM_BULK_FLUSH_INTERVAL_S": "0.2"}) as s:
-            bulk_worker = subprocess.Popen([sys.executable, "-m", "pagestream.worker.cli", "bulk-worker", "--redis-url", DB_URL],
+            bulk_worker = spawn([sys.executable, "-m", "pagestream.worker.cli", "bulk-worker", "--redis-url", DB_URL],
                                            cwd=ROOT, stdout=bulk_log, stderr=subprocess.STDOUT,
                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
             yield s

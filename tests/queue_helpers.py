@@ -15,6 +15,7 @@ import redis
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.lanes import resolve_layout
 from pagestream.producer.protocol.wire import decode_out_entry
+from zygote import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +31,7 @@ class WorkerProc:
         cmd = [sys.executable, "-m", "pagestream.worker.cli", "worker", "--redis-url", redis_url, "--model", model,
                "--consumer", consumer, "--device", "cpu", *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self.proc = spawn(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
 
     def log(self) -> str:
         self._log.flush()

@@ -25,6 +25,7 @@ from pagestream.producer.protocol.redis_conn import connect
 from tests.queue_helpers import lane_group
 from test_bulk import read_jsonl
 from test_bulk_support import AWS_ENV
+from zygote import spawn
 
 pytestmark = [pytest.mark.slow, pytest.mark.also_on_cluster]
 
@@ -39,13 +40,13 @@ def _env(moto_url: str) -> dict:
 
 
 def spawn_worker(redis_url, model, consumer, env, extra=()):
-    return subprocess.Popen([PAGESTREAM, "worker", "--redis-url", redis_url, "--model", model, "--lanes", "low",
+    return spawn([PAGESTREAM, "worker", "--redis-url", redis_url, "--model", model, "--lanes", "low",
                              "--consumer", consumer, "--lease-ms", "3000", "--log-level", "WARNING", *extra],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def spawn_bulk_worker(redis_url, env):
-    return subprocess.Popen([PAGESTREAM, "bulk-worker", "--redis-url", redis_url, "--rescue-interval-s", "1"],
+    return spawn([PAGESTREAM, "bulk-worker", "--redis-url", redis_url, "--rescue-interval-s", "1"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -24,6 +24,7 @@ from pagestream.producer.bulk.api import get_bulk, submit_bulk
 from test_bulk import read_jsonl, write_input
 from test_bulk_support import free_port
 from tests.queue_helpers import ROOT, WorkerProc, wait_for
+from zygote import spawn
 
 OUTAGE_S = 10.0
 
@@ -76,7 +77,7 @@ def test_bulk_worker_rides_out_a_redis_outage_and_the_bulk_completes_exactly_onc
     expected = write_input(inp, 1500, bad_every=100)
     r = redis.Redis.from_url(own_redis.url, decode_responses=True)
     orch_log = open(tmp_path / "bulk-worker.log", "w")
-    orch = subprocess.Popen([sys.executable, "-m", "pagestream.worker.cli", "bulk-worker", "--redis-url", own_redis.url,
+    orch = spawn([sys.executable, "-m", "pagestream.worker.cli", "bulk-worker", "--redis-url", own_redis.url,
                              "--rescue-interval-s", "1"], cwd=ROOT, env=env, stdout=orch_log, stderr=subprocess.STDOUT)
     worker = WorkerProc(own_redis.url, "fake:20", "outage-w", "--lanes", "low", "--lease-ms", "3000",
                         log_dir=tmp_path, env=env)

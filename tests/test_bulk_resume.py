@@ -16,6 +16,7 @@ import redis
 from pagestream.producer.protocol import keys
 from pagestream.producer.bulk.api import get_bulk, submit_bulk
 from test_bulk import read_jsonl, write_input
+from zygote import spawn
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -26,7 +27,7 @@ def spawn_bulk_worker(redis_url: str, env: dict, concurrency: int = 1, log: Path
     code = "import typer; from pagestream.producer.bulk.cli import bulk_worker; typer.run(bulk_worker)"
     out = open(log, "wb") if log else subprocess.DEVNULL
     try:
-        return subprocess.Popen([sys.executable, "-c", code, "--redis-url", redis_url, "--rescue-interval-s", "1",
+        return spawn([sys.executable, "-c", code, "--redis-url", redis_url, "--rescue-interval-s", "1",
                                  "--concurrency", str(concurrency)],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     finally:
@@ -35,7 +36,7 @@ def spawn_bulk_worker(redis_url: str, env: dict, concurrency: int = 1, log: Path
 
 
 def spawn_standin(redis_url: str, consumer: str, env: dict, delay_s: float = 0.05) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(HERE / "test_bulk_support.py"), "standin", "--redis-url", redis_url,
+    return spawn([sys.executable, str(HERE / "test_bulk_support.py"), "standin", "--redis-url", redis_url,
                              "--consumer", consumer, "--flush-lines", "40", "--flush-interval-s", "0.3",
                              "--delay-s", str(delay_s)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

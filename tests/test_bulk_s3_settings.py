@@ -20,6 +20,7 @@ import pytest
 from test_bulk_e2e import stop_all
 from test_bulk_support import AWS_ENV
 from tests.queue_helpers import ROOT
+from zygote import run, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ def _env(credentials: bool) -> dict:
 
 
 def _cli(*args: str, env: dict, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pagestream.worker.cli", *args], cwd=ROOT, env=env, text=True, **kw)
+    return spawn([sys.executable, "-m", "pagestream.worker.cli", *args], cwd=ROOT, env=env, text=True, **kw)
 
 
 @pytest.fixture
@@ -71,7 +72,7 @@ def test_endpoint_given_at_submit_is_where_workers_write(redis_url, moto_url, pr
     s3 = _s3(moto_url)
     inp = _input(s3, "travel", 40)
     _start(processes, redis_url, tmp_path, worker_credentials=True)
-    out = subprocess.run([sys.executable, "-m", "pagestream.worker.cli", "bulk", "submit", inp, "--out", "s3://travel/out",
+    out = run([sys.executable, "-m", "pagestream.worker.cli", "bulk", "submit", inp, "--out", "s3://travel/out",
                           "--redis-url", redis_url, "--s3-endpoint-url", moto_url, "--s3-region", "us-east-1",
                           "--s3-addressing-style", "path", "--wait"],
                          cwd=ROOT, env=_env(True), capture_output=True, text=True, timeout=180)
@@ -79,7 +80,7 @@ def test_endpoint_given_at_submit_is_where_workers_write(redis_url, moto_url, pr
     manifest = json.loads(s3.get_object(Bucket="travel", Key="out/manifest.json")["Body"].read())
     assert manifest["request_counts"]["completed"] == 40
     bulk_id = out.stdout.splitlines()[0]
-    status = subprocess.run([sys.executable, "-m", "pagestream.worker.cli", "bulk", "status", bulk_id, "--json",
+    status = run([sys.executable, "-m", "pagestream.worker.cli", "bulk", "status", bulk_id, "--json",
                              "--redis-url", redis_url], cwd=ROOT, env=_env(True), capture_output=True, text=True)
     assert "sink_error" not in json.loads(status.stdout)
 

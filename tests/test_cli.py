@@ -11,10 +11,11 @@ import redis
 
 from pagestream.producer.protocol import keys
 from tests.queue_helpers import ROOT, WorkerProc
+from zygote import run
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagestream.worker.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return run([sys.executable, "-m", "pagestream.worker.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 

@@ -135,7 +135,12 @@ def test_cancel_and_list(stack, tmp_path):
     assert done.status == "cancelled" and done.request_counts.completed < 300
     raw_batch(c, b.id)
 
+    # a second batch of this test's own, so the list has two entries whatever ran before (xdist runs files apart)
+    other = c.batches.create(input_file_id=upload(c, lines[:1], tmp_path).id, endpoint="/v1/chat/completions",
+                             completion_window="24h")
+    c.batches.cancel(other.id)
     ids = [x.id for x in c.batches.list(limit=100)]
+    assert other.id in ids
     assert b.id in ids and len(ids) >= 2 and len(set(ids)) == len(ids)
     first = c.batches.list(limit=1)
     assert len(first.data) == 1 and first.has_more

@@ -21,6 +21,7 @@ from pagestream.producer.webhook.consumer import event_body
 from pagestream.producer.webhook.signing import (WEBHOOK_ID, WEBHOOK_SIGNATURE, WEBHOOK_TIMESTAMP, secret_key, sign,
                                                  signed_headers, verify)
 from tests.queue_helpers import ROOT, WorkerProc, wait_for
+from zygote import spawn
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"  # the spec's serialization: whsec_ + base64 of the key
 
@@ -103,7 +104,7 @@ class WebhookProc:
         cmd = [sys.executable, "-m", "pagestream.worker.cli", "webhook", "--redis-url", redis_url, "--url", url,
                "--group", "hooks", "--consumer", consumer, *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGESTREAM_WEBHOOK_SECRET": SECRET}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = spawn(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def log(self) -> str:
         self._log.flush()
