@@ -279,3 +279,44 @@ def test_logit_bias_and_allowed_token_ids_steer_the_tokens_as_in_the_engine(serv
     want_chat = llm.chat(msgs, SamplingParams(temperature=1.0, seed=11, max_tokens=8, allowed_token_ids=allowed),
                          use_tqdm=False)[0].outputs[0].token_ids
     assert ids == list(want_chat)
+
+
+def test_truncate_prompt_tokens_on_smollm2_keeps_the_side_asked_for_after_the_workers_tokenizer(served, llm):
+    """Issue 24: vLLM's ``truncate_prompt_tokens`` on a text prompt and on a chat (cut after its template): the
+    worker keeps the last k tokens (``truncation_side="right"``: the first k), ``usage.prompt_tokens`` is k,
+    ``return_token_ids`` and ``echo`` show the kept tokens, and the completion is the kept prompt's own; -1 keeps a
+    prompt shorter than the context whole, and k past the context is vLLM's 400 before anything runs."""
+    tok = llm.get_tokenizer()
+    text = "The quick brown fox jumps over the lazy dog and then the capital of France is"
+    ids = tok.encode(text)
+    assert len(ids) > 10
+    for side, kept in (("left", ids[-6:]), ("right", ids[:6])):
+        got = served.completions.create(model="smollm2", prompt=text, max_tokens=4, temperature=0.0, echo=True,
+                                        extra_body={"truncate_prompt_tokens": 6, "truncation_side": side,
+                                                    "return_token_ids": True})
+        choice = got.choices[0].model_dump()
+        assert got.usage.prompt_tokens == 6 and choice["prompt_token_ids"] == kept
+        alone = served.completions.create(model="smollm2", prompt=kept, max_tokens=4, temperature=0.0)
+        assert choice["text"] == tok.decode(kept) + alone.choices[0].text  # echo: the kept tokens, then its answer
+
+    whole = served.completions.create(model="smollm2", prompt=text, max_tokens=2, temperature=0.0,
+                                      extra_body={"truncate_prompt_tokens": -1, "return_token_ids": True})
+    assert whole.usage.prompt_tokens == len(ids) and whole.choices[0].model_dump()["prompt_token_ids"] == ids
+
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
+    rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    rendered = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)  # newer transformers: a dict
+    for side, kept in (("left", rendered[-8:]), ("right", rendered[:8])):
+        chat = served.chat.completions.create(model="smollm2", messages=msgs, max_tokens=3, temperature=0.0,
+                                              extra_body={"truncate_prompt_tokens": 8, "truncation_side": side,
+                                                          "return_token_ids": True})
+        assert chat.usage.prompt_tokens == 8 and chat.model_dump()["prompt_token_ids"] == kept
+        alone = served.completions.create(model="smollm2", prompt=kept, max_tokens=3, temperature=0.0)
+        assert chat.choices[0].message.content == alone.choices[0].text
+
+    context = served.models.list().data[0].model_dump()["max_model_len"]
+    for create, kw in ((served.completions.create, {"prompt": text}), (served.chat.completions.create, {"messages": msgs})):
+        with pytest.raises(openai.BadRequestError) as info:
+            create(model="smollm2", max_tokens=2, extra_body={"truncate_prompt_tokens": context + 1}, **kw)
+        assert f"truncate_prompt_tokens value ({context + 1}) is greater than max_model_len ({context})" in \
+            info.value.body["message"] and info.value.body["param"] == "truncate_prompt_tokens"
