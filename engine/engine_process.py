@@ -116,12 +116,14 @@ class EngineProcess(ChatRequests):
     # ---- input ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, resume_token_ids: list[int] | None = None,
-                    priority: int = 0) -> None:
-        """As ``LLMEngine.add_request``: checked and tokenized here (ValueError at once); sent with the next step."""
+                    priority: int = 0, truncate_prompt_tokens: int | None = None,
+                    truncation_side: str | None = None) -> None:
+        """As ``LLMEngine.add_request``: checked, tokenized and truncated here (ValueError at once); sent with the next step."""
         self._check_alive()
         if request_id in self._handles:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        ids, resume, params = self.inputs.process(prompt, params, prompt_token_ids, resume_token_ids)
+        ids, resume, params = self.inputs.process(prompt, params, prompt_token_ids, resume_token_ids,
+                                                  truncate_prompt_tokens, truncation_side)
         rid = next(self._ids)
         self._handles[request_id] = rid
         self.output_processor.add_request(rid, request_id, prompt, ids, resume, params)

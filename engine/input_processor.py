@@ -37,7 +37,9 @@ class InputProcessor:
         self.limits = limits
         self.model = model
 
-    def tokenize(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+    def tokenize(self, prompt: str | None, prompt_token_ids: list[int] | None, truncate_prompt_tokens: int | None = None,
+                 truncation_side: str | None = None) -> list[int]:
+        """The prompt's ids (a text prompt encoded), truncated as asked, then checked against the vocabulary."""
         vocab = self.limits.vocab_size
         if prompt_token_ids is None:
             if prompt is None:
@@ -47,7 +49,7 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError(f"model {self.model} has no tokenizer: pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        ids = list(prompt_token_ids)
+        ids = self.truncate(list(prompt_token_ids), truncate_prompt_tokens, truncation_side)
         if not ids:
             raise ValueError("the prompt is empty: it must have at least 1 token")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
@@ -55,19 +57,41 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
         return ids
 
+    def truncate(self, ids: list[int], truncate_prompt_tokens: int | None, truncation_side: str | None) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens`` on a tokenized prompt: its last k tokens (``truncation_side="right"``:
+        its first k); -1: ``max_model_len`` of them; 0, below -1 or above ``max_model_len``: ValueError."""
+        k = truncate_prompt_tokens
+        if k is None:
+            return ids
+        max_len = self.limits.max_model_len
+        if isinstance(k, bool) or not isinstance(k, int) or k == 0 or k < -1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 (the model's context length) or at least 1, got {k!r}")
+        if truncation_side not in (None, "left", "right"):
+            raise ValueError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
+        if k > max_len:  # vLLM's sentence
+            raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_len}). "
+                             "Please, select a smaller truncation size.")
+        k = max_len if k == -1 else k
+        if len(ids) <= k:
+            return ids
+        return ids[:k] if truncation_side == "right" else ids[len(ids) - k:]
+
     def process(
         self,
         prompt: str | None,
         params: SamplingParams | None,
         prompt_token_ids: list[int] | None,
         resume_token_ids: list[int] | None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str | None = None,
     ) -> tuple[list[int], list[int], SamplingParams]:
-        """(prompt ids, resumed output ids, params) of a request the engine can run; ValueError otherwise."""
+        """(prompt ids, resumed output ids, params) of a request the engine can run; ValueError otherwise. The
+        prompt is truncated (``truncate``) right after it is tokenized, before its ids and length are checked."""
         lim = self.limits
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self.tokenize(prompt, prompt_token_ids)
+        ids = self.tokenize(prompt, prompt_token_ids, truncate_prompt_tokens, truncation_side)
         max_len = lim.max_model_len
         if len(ids) >= max_len:
             # the first sentence is vLLM's: clients recognise a context overflow by it (LiteLLM's ContextWindowExceededError)

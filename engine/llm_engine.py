@@ -551,13 +551,17 @@ class LLMEngine(ChatRequests):
         prompt_token_ids: list[int] | None = None,
         resume_token_ids: list[int] | None = None,
         priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str | None = None,
     ) -> None:
         """Queue a request. ``resume_token_ids`` are output tokens already produced
         (by a worker that died): they are re-prefilled, count toward max_tokens, and
-        their text counts as already emitted."""
+        their text counts as already emitted. ``truncate_prompt_tokens`` / ``truncation_side``:
+        vLLM's, applied to the prompt's ids right after tokenizing (``InputProcessor.truncate``)."""
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        ids, resume, params = self.inputs.process(prompt, params, prompt_token_ids, resume_token_ids)
+        ids, resume, params = self.inputs.process(prompt, params, prompt_token_ids, resume_token_ids,
+                                                  truncate_prompt_tokens, truncation_side)
         self.core.add_request(request_id, ids, resume, params, priority)
         self.output_processor.add_request(request_id, request_id, prompt, ids, resume, params)
 

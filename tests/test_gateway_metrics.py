@@ -126,8 +126,9 @@ def test_queue_depth_pending_and_age_per_model_and_lane_are_read_from_redis_at_e
     time.sleep(0.3)  # past the window in which a scrape reuses the last one's figures (QUEUE_REFRESH_MIN_S)
     first = _queue_gauges(httpx.get(f"{root}/metrics", timeout=10).text)
     depth, pending, age = (first[f"pagestream_queue_{n}"] for n in ("depth", "pending", "oldest_age_seconds"))
-    assert depth == {(model, "high"): 1, (model, "normal"): 5, (model, "low"): 0}
-    assert pending == {(model, "high"): 0, (model, "normal"): 0, (model, "low"): 0}
+    shared_zero = {("", f"shared:{lane}"): 0 for lane in ("high", "normal", "low")}  # nothing on the shared lanes
+    assert depth == {(model, "high"): 1, (model, "normal"): 5, (model, "low"): 0, **shared_zero}
+    assert pending == {(model, "high"): 0, (model, "normal"): 0, (model, "low"): 0, **shared_zero}
     assert age[(model, "low")] == 0 and 0 <= age[(model, "normal")] < 30
     time.sleep(1.2)
     later = _queue_gauges(httpx.get(f"{root}/metrics", timeout=10).text)["pagestream_queue_oldest_age_seconds"]
@@ -145,6 +146,41 @@ def test_queue_depth_pending_and_age_per_model_and_lane_are_read_from_redis_at_e
             return all(v == 0 for name in ("depth", "pending", "oldest_age_seconds")
                        for v in g[f"pagestream_queue_{name}"].values())
         wait_for(drained, 30, "the queue gauges at 0 once the worker took every job")
+    finally:
+        worker.stop()
+
+
+def test_the_shared_model_less_lanes_have_their_own_queue_gauges(gw, tmp_path):
+    """Jobs submitted without a model go to the shared lanes, which no model's series counts: they are
+    ``model_name=""``, ``lane="shared:<lane>"``, and drain when a worker without a served model takes them."""
+    from pagestream.producer import JobStatus, Producer
+    from queue_helpers import WorkerProc, wait_for
+
+    r = redis.Redis.from_url(DB_URL)
+    producer = Producer(r)
+    jobs = [producer.submit(prompt=f"no model {i}", max_tokens=2) for i in range(3)]
+    jobs.append(producer.submit(prompt="no model, later", max_tokens=2, lane="low"))
+    root = gw.base_url.rsplit("/v1", 1)[0]
+    time.sleep(0.3)  # past the reuse window (QUEUE_REFRESH_MIN_S)
+    first = _queue_gauges(httpx.get(f"{root}/metrics", timeout=10).text)
+    depth, age = first["pagestream_queue_depth"], first["pagestream_queue_oldest_age_seconds"]
+    assert {k: v for k, v in depth.items() if k[0] == ""} == {("", "shared:high"): 0, ("", "shared:normal"): 3,
+                                                              ("", "shared:low"): 1}
+    assert all(v == 0 for k, v in depth.items() if k[0] != "")  # counted on the shared lanes only
+    time.sleep(1.2)
+    later = _queue_gauges(httpx.get(f"{root}/metrics", timeout=10).text)["pagestream_queue_oldest_age_seconds"]
+    assert later[("", "shared:normal")] >= age[("", "shared:normal")] + 1.0 and later[("", "shared:high")] == 0
+
+    worker = WorkerProc(DB_URL, "fake:1", "queue-gauges-shared", log_dir=tmp_path)  # no model: the shared lanes
+    try:
+        worker.wait_ready()
+        assert all(producer.result(j, timeout=60).status == JobStatus.COMPLETED for j in jobs)
+
+        def drained() -> bool:
+            g = _queue_gauges(httpx.get(f"{root}/metrics", timeout=10).text)
+            return all(g[f"pagestream_queue_{name}"][("", f"shared:{lane}")] == 0
+                       for name in ("depth", "pending", "oldest_age_seconds") for lane in ("high", "normal", "low"))
+        wait_for(drained, 30, "the shared lanes' gauges at 0 once a model-less worker took every job")
     finally:
         worker.stop()
 

@@ -279,3 +279,148 @@ def test_logit_bias_and_allowed_token_ids_steer_the_tokens_as_in_the_engine(serv
     want_chat = llm.chat(msgs, SamplingParams(temperature=1.0, seed=11, max_tokens=8, allowed_token_ids=allowed),
                          use_tqdm=False)[0].outputs[0].token_ids
     assert ids == list(want_chat)
+
+
+def test_truncate_prompt_tokens_on_smollm2_keeps_the_side_asked_for_after_the_workers_tokenizer(served, llm):
+    """Issue 24: vLLM's ``truncate_prompt_tokens`` on a text prompt and on a chat (cut after its template): the
+    worker keeps the last k tokens (``truncation_side="right"``: the first k), ``usage.prompt_tokens`` is k,
+    ``return_token_ids`` and ``echo`` show the kept tokens, and the completion is the kept prompt's own; -1 keeps a
+    prompt shorter than the context whole, and k past the context is vLLM's 400 before anything runs."""
+    tok = llm.get_tokenizer()
+    text = "The quick brown fox jumps over the lazy dog and then the capital of France is"
+    ids = tok.encode(text)
+    assert len(ids) > 10
+    for side, kept in (("left", ids[-6:]), ("right", ids[:6])):
+        got = served.completions.create(model="smollm2", prompt=text, max_tokens=4, temperature=0.0, echo=True,
+                                        extra_body={"truncate_prompt_tokens": 6, "truncation_side": side,
+                                                    "return_token_ids": True})
+        choice = got.choices[0].model_dump()
+        assert got.usage.prompt_tokens == 6 and choice["prompt_token_ids"] == kept
+        alone = served.completions.create(model="smollm2", prompt=kept, max_tokens=4, temperature=0.0)
+        assert choice["text"] == tok.decode(kept) + alone.choices[0].text  # echo: the kept tokens, then its answer
+
+    whole = served.completions.create(model="smollm2", prompt=text, max_tokens=2, temperature=0.0,
+                                      extra_body={"truncate_prompt_tokens": -1, "return_token_ids": True})
+    assert whole.usage.prompt_tokens == len(ids) and whole.choices[0].model_dump()["prompt_token_ids"] == ids
+
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
+    rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    rendered = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)  # newer transformers: a dict
+    for side, kept in (("left", rendered[-8:]), ("right", rendered[:8])):
+        chat = served.chat.completions.create(model="smollm2", messages=msgs, max_tokens=3, temperature=0.0,
+                                              extra_body={"truncate_prompt_tokens": 8, "truncation_side": side,
+                                                          "return_token_ids": True})
+        assert chat.usage.prompt_tokens == 8 and chat.model_dump()["prompt_token_ids"] == kept
+        alone = served.completions.create(model="smollm2", prompt=kept, max_tokens=3, temperature=0.0)
+        assert chat.choices[0].message.content == alone.choices[0].text
+
+    context = served.models.list().data[0].model_dump()["max_model_len"]
+    for create, kw in ((served.completions.create, {"prompt": text}), (served.chat.completions.create, {"messages": msgs})):
+        with pytest.raises(openai.BadRequestError) as info:
+            create(model="smollm2", max_tokens=2, extra_body={"truncate_prompt_tokens": context + 1}, **kw)
+        assert f"truncate_prompt_tokens value ({context + 1}) is greater than max_model_len ({context})" in \
+            info.value.body["message"] and info.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_completion_extensions_on_smollm2_logprobs_zero_token_id_names_and_usage_on_every_chunk(served, llm):
+    """Issue 24 on the real engine: ``logprobs=0`` gives the sampled token's entry alone, ``return_tokens_as_token_ids``
+    names tokens ``token_id:<id>``, and a completions stream with ``include_usage`` (and ``continuous_usage_stats``)
+    counts the prompt as the worker's tokenizer does and the tokens so far on each chunk, then the usage chunk."""
+    from pagestream.engine import SamplingParams
+
+    tok = llm.get_tokenizer()
+    prompt = "One, two, three, four,"
+    ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=1), use_tqdm=False)[0].outputs[0]
+    zero = served.completions.create(model="smollm2", prompt=prompt, max_tokens=5, temperature=0, logprobs=0)
+    lp = zero.choices[0].logprobs
+    assert zero.choices[0].text == ref.text and lp.tokens == [tok.decode([t]) for t in ref.token_ids]
+    assert lp.token_logprobs == pytest.approx([d[t] for t, d in zip(ref.token_ids, ref.logprobs)], abs=1e-5)
+    assert [list(tops) for tops in lp.top_logprobs] == [[t] for t in lp.tokens]  # the sampled token alone
+
+    as_ids = served.completions.create(model="smollm2", prompt=prompt, max_tokens=5, temperature=0, logprobs=1,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    assert as_ids.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ref.token_ids]
+
+    prompt_tokens = len(tok.encode(prompt))
+    chunks = list(served.completions.create(model="smollm2", prompt=prompt, max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [ch.usage for ch in chunks if ch.choices]
+    assert counted and all(u.prompt_tokens == prompt_tokens for u in counted)
+    assert [u.completion_tokens for u in counted] == sorted(u.completion_tokens for u in counted)
+    assert counted[-1].completion_tokens == 5 and "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == prompt_tokens
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.total_tokens == prompt_tokens + 5
+
+
+def test_prompt_logprobs_chat_echo_and_continue_final_message_on_smollm2(served, llm):
+    """Issue 24 on the real engine: vLLM's ``prompt_logprobs`` on completions (per choice) and chat (on the response)
+    equal the engine's own for the same prompt; chat's ``echo`` with ``continue_final_message`` leads the reply
+    with the assistant's unfinished message and continues it as ``LLM.chat`` does."""
+    from pagestream.engine import SamplingParams
+
+    tok = llm.get_tokenizer()
+    prompt = "The capital of France is"
+    ids = tok.encode(prompt)
+    want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    got = served.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    rows = got.choices[0].model_dump()["prompt_logprobs"]
+    assert len(rows) == len(ids) and rows[0] is None
+    for j in range(1, len(ids)):
+        mine = rows[j][str(ids[j])]
+        assert mine["logprob"] == pytest.approx(want.prompt_logprobs[j][ids[j]], abs=1e-4)
+        assert mine["decoded_token"] == tok.decode([ids[j]])
+        ranked = sorted((v for v in rows[j].values() if v["rank"] is not None), key=lambda v: v["rank"])
+        assert [v["rank"] for v in ranked] == [1, 2] and ranked[0]["logprob"] >= ranked[1]["logprob"]
+
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    want_chat = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    chat = served.chat.completions.create(model="smollm2", messages=msgs, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 1, "return_token_ids": True}).model_dump()
+    chat_ids = chat["prompt_token_ids"]
+    assert chat_ids == list(want_chat.prompt_token_ids) and chat["prompt_logprobs"][0] is None
+    assert [chat["prompt_logprobs"][j][str(chat_ids[j])]["logprob"] for j in range(1, len(chat_ids))] == \
+        pytest.approx([want_chat.prompt_logprobs[j][chat_ids[j]] for j in range(1, len(chat_ids))], abs=1e-4)
+
+    partial = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite colour is"}]
+    cont = llm.chat(partial, SamplingParams(temperature=0, max_tokens=6), add_generation_prompt=False,
+                    continue_final_message=True, use_tqdm=False)[0].outputs[0].text
+    echoed = served.chat.completions.create(model="smollm2", messages=partial, max_tokens=6, temperature=0,
+                                            extra_body={"echo": True, "add_generation_prompt": False,
+                                                        "continue_final_message": True})
+    assert echoed.choices[0].message.content == "My favourite colour is" + cont
+
+
+def test_vllms_other_endpoints_and_400s_on_smollm2(served, smollm2_dir):
+    """Issue 24 on ``pagestream serve``: the model object (``root`` the loaded path, ``max_model_len``, 404 for an
+    unknown model), ``/version``, ``/ping``, ``/load``, ``/invocations`` by the body's shape, and vLLM's 400s naming
+    the field for inputs it refuses before any step."""
+    root = str(served.base_url).rstrip("/").rsplit("/v1", 1)[0]
+    http = httpx.Client(base_url=root, timeout=120)
+    model = served.models.retrieve("smollm2").model_dump()
+    assert model["id"] == "smollm2" and model["parent"] is None and model["root"] == str(smollm2_dir)
+    context = model["max_model_len"]
+    assert isinstance(context, int) and context > 0
+    with pytest.raises(openai.NotFoundError):
+        served.models.retrieve("not-served")
+    assert http.get("/version").json()["version"] not in ("", "unknown")
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+    assert http.get("/load").json() == {"server_load": 0}
+
+    done = http.post("/invocations", json={"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 3,
+                                           "temperature": 0})
+    plain = served.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=3, temperature=0)
+    assert done.status_code == 200 and done.json()["choices"][0]["text"] == plain.choices[0].text
+    chat = http.post("/invocations", json={"model": "smollm2", "max_tokens": 2,
+                                           "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+
+    vocab = 49152  # SmolLM2's
+    for body, param in (({"prompt": ""}, "prompt"), ({"prompt": [[1, "a"]]}, "prompt"),
+                        ({"prompt": "x", "stop_token_ids": [vocab + 5]}, "stop_token_ids"),
+                        ({"prompt": "x", "seed": 2**63}, "seed"),
+                        ({"prompt": "x", "max_tokens": context + 1}, "max_tokens")):
+        resp = http.post("/v1/completions", json={"model": "smollm2", "max_tokens": 2, **body})
+        assert resp.status_code == 400, (body, resp.text)
+        err = resp.json()["error"]
+        assert err["message"] and (err["param"] or "").startswith(param.split("_")[0]), (body, err)

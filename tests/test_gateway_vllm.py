@@ -132,6 +132,38 @@ def test_truncate_prompt_tokens_keeps_the_side_asked_for(stack):
                                  extra_body={"truncate_prompt_tokens": 2, "truncation_side": "right", "return_token_ids": True})
     assert left.model_dump()["choices"][0]["prompt_token_ids"] == [4, 5] and left.usage.prompt_tokens == 2
     assert right.model_dump()["choices"][0]["prompt_token_ids"] == [1, 2]
+    # -1: the context (2048 here); a prompt longer than the context alone is cut to fit with max_tokens, not refused
+    whole = c.completions.create(model=MODEL, prompt=[1, 2, 3, 4, 5], max_tokens=2, seed=1,
+                                 extra_body={"truncate_prompt_tokens": -1, "return_token_ids": True})
+    assert whole.model_dump()["choices"][0]["prompt_token_ids"] == [1, 2, 3, 4, 5]
+    cut = c.completions.create(model=MODEL, prompt=list(range(1, 3001)), max_tokens=2,
+                               extra_body={"truncate_prompt_tokens": 2000, "return_token_ids": True})
+    assert cut.model_dump()["choices"][0]["prompt_token_ids"] == list(range(1001, 3001))
+
+
+def test_truncate_prompt_tokens_cuts_a_text_prompt_and_a_chat_after_the_workers_tokenizer(stack):
+    """The worker tokenizes a text prompt (a chat: its template applied) and keeps the side asked for; usage,
+    ``return_token_ids`` and ``echo`` show what it kept."""
+    c, fake = stack["client"], FakeEngine()
+    words = "one two three four five six"
+    ids = fake.tokenizer.encode(words)
+    for side, kept, kept_words in (("left", ids[-3:], "four five six"), ("right", ids[:3], "one two three")):
+        got = c.completions.create(model=MODEL, prompt=words, max_tokens=2, seed=4, echo=True,
+                                   extra_body={"truncate_prompt_tokens": 3, "truncation_side": side,
+                                               "return_token_ids": True})
+        choice = got.model_dump()["choices"][0]
+        assert choice["prompt_token_ids"] == kept and got.usage.prompt_tokens == 3
+        # echo: the kept tokens as the worker names them; the sample: that of the kept prompt alone
+        assert choice["text"] == fake.tokenizer.decode(kept) + fake.expected_text(kept_words, 4, 2)
+    messages = [{"role": "user", "content": "a chat cut to its last tokens"}]
+    rendered = fake.tokenizer.apply_chat_template(messages, tokenize=True)
+    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                     extra_body={"truncate_prompt_tokens": 4, "return_token_ids": True})
+    assert chat.model_dump()["prompt_token_ids"] == rendered[-4:] and chat.usage.prompt_tokens == 4
+    right = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                      extra_body={"truncate_prompt_tokens": 4, "truncation_side": "right",
+                                                  "return_token_ids": True})
+    assert right.model_dump()["prompt_token_ids"] == rendered[:4] and right.usage.prompt_tokens == 4
 
 
 def test_continuous_usage_stats_count_tokens_on_every_chunk(stack):
@@ -207,16 +239,25 @@ def test_a_chat_stream_with_return_token_ids_carries_the_prompts_ids_once(stack)
     assert carried[0] == whole.model_dump()["prompt_token_ids"]
 
 
-def test_truncate_prompt_tokens_on_chat_is_a_400_not_ignored(stack):
-    """vLLM's chat cuts the rendered prompt; here that is not served, and a request asking for it must not run
-    with its whole prompt as if the field were not there."""
+@pytest.mark.parametrize("path, body", [
+    ("/chat/completions", {"messages": [{"role": "user", "content": "a b c"}], "truncate_prompt_tokens": 0}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "a b c"}], "truncate_prompt_tokens": 2049}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "a b c"}], "truncate_prompt_tokens": -2}),
+    ("/completions", {"prompt": "a b c", "truncate_prompt_tokens": 0}),
+    ("/completions", {"prompt": "a b c", "truncate_prompt_tokens": 2049}),
+    ("/completions", {"prompt": [1, 2, 3], "truncate_prompt_tokens": 2049}),
+    ("/completions", {"prompt": "a b c", "truncate_prompt_tokens": 2, "truncation_side": "middle"}),
+])
+def test_a_truncation_vllm_refuses_is_a_400_naming_it_before_anything_is_queued(stack, path, body):
+    """0 (no prompt left), below -1, past the model's context (2048: vLLM's sentence), an unknown side."""
     r = stack["r"]
     before = _lane_lengths(r)
-    resp = httpx.post(stack["gw"].base_url + "/chat/completions", timeout=60,
-                      json={"model": MODEL, "max_tokens": 2, "truncate_prompt_tokens": 5,
-                            "messages": [{"role": "user", "content": "a b c d e f g h"}]})
+    resp = httpx.post(stack["gw"].base_url + path, timeout=60, json={"model": MODEL, "max_tokens": 2, **body})
     assert resp.status_code == 400, resp.text
-    assert resp.json()["error"]["param"] == "truncate_prompt_tokens", resp.text
+    err = resp.json()["error"]
+    assert err["param"] in ("truncate_prompt_tokens", "truncation_side"), err
+    if body["truncate_prompt_tokens"] == 2049:
+        assert "truncate_prompt_tokens value (2049) is greater than max_model_len (2048)" in err["message"], err
     assert _lane_lengths(r) == before
 
 

@@ -21,8 +21,11 @@ class Engine(Protocol):
 
     def add_request(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, resume_token_ids: list[int] | None = None,
-                    priority: int = 0) -> None:
-        """Queue a request; ``ValueError`` at once when it cannot run (the job fails alone)."""
+                    priority: int = 0, truncate_prompt_tokens: int | None = None,
+                    truncation_side: str | None = None) -> None:
+        """Queue a request; ``ValueError`` at once when it cannot run (the job fails alone). The worker passes
+        ``truncate_prompt_tokens`` / ``truncation_side`` only to a job that sets them (vLLM's: the prompt's last k
+        tokens after tokenizing, "right": its first k; -1: ``max_model_len``)."""
 
     def add_chat_request(self, request_id: str, messages: list[dict], params: SamplingParams | None = None,
                          **kwargs: Any) -> None:

@@ -100,11 +100,19 @@ class FakeEngine:
         prompt_token_ids: list[int] | None = None,
         resume_token_ids: list[int] | None = None,
         priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str | None = None,
     ) -> None:
         params = params or SamplingParams()
         if request_id in self._running or request_id in self._waiting:
             raise ValueError(f"request {request_id!r} already exists")
         ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenizer.encode(prompt or "")
+        if truncate_prompt_tokens is not None:  # as the real engine: right after tokenizing, -1 is the context
+            k = self.config.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            if not 0 < k <= self.config.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens value ({truncate_prompt_tokens}) is greater than max_model_len "
+                                 f"({self.config.max_model_len}). Please, select a smaller truncation size.")
+            ids = ids[:k] if truncation_side == "right" else ids[max(0, len(ids) - k):]
         if not ids:
             raise ValueError("prompt is empty")
         max_new = params.max_tokens or (self.config.max_model_len - len(ids))

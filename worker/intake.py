@@ -258,6 +258,8 @@ class Intake:
     def _add_to_engine(self, a: ActiveJob, ops: list[object]) -> bool:
         j = a.job
         kw = dict(params=a.params, resume_token_ids=a.resume, priority=j.priority)
+        if j.truncate_prompt_tokens is not None:  # only when set: an engine without truncation still serves the rest
+            kw.update(truncate_prompt_tokens=j.truncate_prompt_tokens, truncation_side=j.truncation_side)
         try:
             if j.messages is not None:
                 if j.tools:

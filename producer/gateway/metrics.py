@@ -10,7 +10,9 @@ The queue's gauges (``pagestream_queue_*``, per model and lane: what vLLM has no
 Redis when ``/metrics`` is scraped (``QueueGauges.refresh``): at most ``MAX_QUEUE_MODELS`` models, two
 commands per lane stream, within ``QUEUE_REFRESH_TIMEOUT_S``; Redis down or slow leaves them out, and the
 rest of ``/metrics`` still answers. The admission check (``max_queue_depth``) reads the same figures
-(``queue_state``).
+(``queue_state``). The shared, model-less lanes (jobs submitted without a model, read by workers started
+without ``--served-model-name``) are there too, as ``model_name=""`` and ``lane="shared:<lane>"``
+(``SHARED_LANE_PREFIX``), so a dashboard or an autoscaler sees a queue no model's series counts.
 """
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ MAX_COUNTED_ENTRIES = 1000
 QUEUE_REFRESH_TIMEOUT_S = 1.0
 #: a scrape within this long of the last refresh reuses its figures
 QUEUE_REFRESH_MIN_S = 0.25
+
+#: the lane label of a shared (model-less) lane's gauges: ``shared:normal``; their ``model_name`` is ""
+SHARED_LANE_PREFIX = "shared:"
 
 #: the endpoint label of a request that matched no route (an unknown path: 404)
 UNMATCHED = "unmatched"
@@ -106,10 +111,11 @@ async def _stream_queue(client: Any, stream: str, group: str, ages: bool) -> Lan
     return LaneQueue(depth, int(g.get("pending") or 0), _entry_ms(after[0][0]) if after and depth else None)
 
 
-async def queue_state(client: Any, layout: LaneLayout, model: str, group: str = keys.DEFAULT_GROUP,
+async def queue_state(client: Any, layout: LaneLayout, model: str | None, group: str = keys.DEFAULT_GROUP,
                       ages: bool = True) -> dict[str, LaneQueue]:
-    """Each lane of ``model``'s queue (every shard stream of it on a cluster: ``layout.streams``), read now;
-    ``ages=False``: depth and pending only (one command a stream while Redis knows the lag)."""
+    """Each lane of ``model``'s queue (every shard stream of it on a cluster: ``layout.streams``; None: the shared,
+    model-less lanes), read now; ``ages=False``: depth and pending only (one command a stream while Redis knows
+    the lag)."""
     out: dict[str, LaneQueue] = {}
     for lane in keys.LANES:
         total = LaneQueue()
@@ -123,7 +129,8 @@ async def queue_state(client: Any, layout: LaneLayout, model: str, group: str = 
 
 
 class QueueGauges:
-    """``pagestream_queue_depth`` / ``_pending`` / ``_oldest_age_seconds`` {model_name, lane}, set at each scrape."""
+    """``pagestream_queue_depth`` / ``_pending`` / ``_oldest_age_seconds`` {model_name, lane}, set at each scrape
+    (the shared lanes: ``model_name=""``, ``lane="shared:<lane>"``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         labels, r = ["model_name", "lane"], registry
@@ -156,19 +163,22 @@ class QueueGauges:
                 g.clear()  # a model no longer in the registry leaves no series behind
             for model, lanes in figures.items():
                 for lane, q in lanes.items():
-                    self.depth.labels(model, lane).set(q.depth)
-                    self.pending.labels(model, lane).set(q.pending)
+                    labels = (model, lane) if model is not None else ("", SHARED_LANE_PREFIX + lane)
+                    self.depth.labels(*labels).set(q.depth)
+                    self.pending.labels(*labels).set(q.pending)
                     age = 0.0 if q.oldest_ms is None else max(0.0, (now_ms - q.oldest_ms) / 1000)
-                    self.oldest_age.labels(model, lane).set(age)
+                    self.oldest_age.labels(*labels).set(age)
 
     @staticmethod
-    async def _read(producer: Any) -> dict[str, dict[str, LaneQueue]]:
+    async def _read(producer: Any) -> dict[str | None, dict[str, LaneQueue]]:
+        """Each announced model's lanes, and the shared ones (None): a shared lane has no model to announce it."""
         client = producer.redis
         # every model ever announced, newest first: a model whose workers are all gone (scaled to zero, crashed)
         # is the one whose queue matters most
-        models = [as_str(m, "replace") for m in await client.zrevrange(keys.model_registry(), 0, MAX_QUEUE_MODELS - 1)]
+        models: list[str | None] = [as_str(m, "replace")
+                                    for m in await client.zrevrange(keys.model_registry(), 0, MAX_QUEUE_MODELS - 1)]
         layout = await producer.layout()
-        return {m: await queue_state(client, layout, m) for m in models}
+        return {m: await queue_state(client, layout, m) for m in [*models, None]}
 
 
 def _family(line: bytes) -> bytes | None:

@@ -65,6 +65,11 @@ class OpenAIRequest(BaseModel):
     prompt_logprobs: int | None = None
     # vLLM's: only these tokens may be sampled (checked against the served vocabulary)
     allowed_token_ids: list[int] | None = None
+    # vLLM's: the prompt cut to its last k tokens ("right": its first k) right after the worker tokenizes it (a chat's
+    # after its template; a token-id prompt at the gateway); -1: the model's context length. 0 is refused by the job
+    # schema, more than the context by the gateway (``OpenAIServing.check_truncation``)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
 
     def refuse_unsupported(self) -> None:
         if self.prompt_logprobs is not None:
@@ -137,6 +142,8 @@ class OpenAIRequest(BaseModel):
         self.refuse_unsupported()
         common = {"model": self.model, **self.sampling(), **self.structured_fields(),
                   "return_prompt_token_ids": self.return_token_ids}
+        if self.truncate_prompt_tokens is not None:  # the side means nothing without a count
+            common.update(truncate_prompt_tokens=self.truncate_prompt_tokens, truncation_side=self.truncation_side)
         return [JobRequest.model_validate({"job_id": job_id, **common, **fields})
                 for job_id, fields in zip(job_ids, self.job_fields(), strict=True)]
 
@@ -155,9 +162,6 @@ class CompletionRequest(OpenAIRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    truncation_side: Literal["left", "right"] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request, in order (a string or a token-id list); 400 for an empty one."""
@@ -178,13 +182,10 @@ class CompletionRequest(OpenAIRequest):
     def num_jobs(self) -> int:
         return len(self.prompts())
 
-    def truncated(self, ids: list[int]) -> list[int]:
-        """vLLM's ``truncate_prompt_tokens``: keep the last k tokens (``truncation_side="right"``: the first k;
-        -1: as many as the context holds, here all of them, the context check follows)."""
-        k = self.truncate_prompt_tokens
-        if k is None or k < 0 or len(ids) <= k:
-            return ids
-        return ids[:k] if self.truncation_side == "right" else ids[len(ids) - k:]
+    def echoes_tokens(self, prompt: str | list[int]) -> bool:
+        """Whether ``echo`` shows the prompt's kept tokens as the worker names them (a token-id prompt, or a text
+        prompt the worker truncates) rather than the prompt's text as sent."""
+        return not isinstance(prompt, str) or self.truncate_prompt_tokens is not None
 
     @property
     def echo_only(self) -> bool:
@@ -199,7 +200,7 @@ class CompletionRequest(OpenAIRequest):
         if self.echo and k is None:
             if isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool):
                 k = self.logprobs
-            elif not isinstance(prompt, str):
+            elif self.echoes_tokens(prompt):
                 k = 0
         return k
 
@@ -212,13 +213,9 @@ class CompletionRequest(OpenAIRequest):
         for p in self.prompts():
             fields: dict[str, Any] = {"max_tokens": 1 if self.echo_only else self.max_tokens}
             if isinstance(p, str):
-                if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens >= 0:
-                    # the gateway has no tokenizer: truncating a text prompt needs the worker's (not carried yet)
-                    raise RequestError("truncate_prompt_tokens is supported for token-id prompts only",
-                                       param="truncate_prompt_tokens")
                 fields["prompt"] = p
             else:
-                fields["prompt_token_ids"] = self.truncated(p)
+                fields["prompt_token_ids"] = p
             if self.logprobs is not None:
                 fields["logprobs"] = self.logprobs
             k = self.echo_prompt_logprobs(p)
@@ -247,9 +244,6 @@ class ChatCompletionRequest(OpenAIRequest):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # vLLM's chat takes it (the rendered prompt cut to k tokens); here it would need the worker's tokenizer after
-    # the template, so it is refused, never silently ignored (completions take it on token-id prompts)
-    truncate_prompt_tokens: int | None = None
 
     def tool_use(self) -> ToolUse:
         return ToolUse.resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
@@ -265,9 +259,6 @@ class ChatCompletionRequest(OpenAIRequest):
             raise RequestError(str(exc), param="continue_final_message") from None
 
     def job_fields(self) -> list[dict[str, Any]]:
-        if self.truncate_prompt_tokens is not None:
-            raise RequestError("truncate_prompt_tokens is not supported on chat completions (it is on completions "
-                               "with token-id prompts)", param="truncate_prompt_tokens")
         fields: dict[str, Any] = {
             "messages": [m.flat() for m in self.messages],
             "max_tokens": self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,

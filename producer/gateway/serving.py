@@ -199,6 +199,7 @@ class OpenAIServing:
             for job in jobs:
                 job.metadata[TENANT_FIELD] = tenant.name  # each job (its hash and stream) carries its owner
         await self.state.models.check(req.model, jobs[0].sampling.max_tokens)
+        await self.check_truncation(req.model, jobs)  # before the checks that count a prompt's ids
         await self.state.models.check_tokens(req.model, jobs, req.logit_bias_ids())
         await self.check_context(req.model, jobs)
         await self.check_request(req)
@@ -246,6 +247,26 @@ class OpenAIServing:
             with contextlib.suppress(Exception):
                 await self.producer.cancel(job_id)
 
+    async def check_truncation(self, model: str, jobs: list[JobRequest]) -> None:
+        """vLLM's ``truncate_prompt_tokens`` against the context the model's workers announce: -1 becomes that
+        length, more than it is a 400 (vLLM's sentence), and a token-id prompt is cut here, so the vocabulary and
+        context checks see the ids the worker will run (a text or chat prompt is cut by the worker, right after it
+        tokenizes it; the engine checks the count again, for a producer that is not this gateway)."""
+        asked = [job for job in jobs if job.truncate_prompt_tokens is not None]
+        if not asked:
+            return
+        limit = (await self.state.models.served()).get(model, {}).get("max_model_len")
+        if not isinstance(limit, int):
+            return  # not announced: the worker resolves -1 and refuses too large a count itself
+        for job in asked:
+            k = job.truncate_prompt_tokens
+            if k > limit:
+                raise GatewayError(400, f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({limit}). "
+                                   "Please, select a smaller truncation size.", param="truncate_prompt_tokens")
+            job.truncate_prompt_tokens = limit if k == -1 else k
+            if job.prompt_token_ids is not None:
+                job.prompt_token_ids = job.truncated_prompt_ids(job.prompt_token_ids)
+
     async def check_context(self, model: str, jobs: list[JobRequest]) -> None:
         """400 before anything is queued for a prompt that, with ``max_tokens``, does not fit the model's
         context: exact for token ids; for text a worker's tokenizer counts it, asked only when a bound
@@ -262,9 +283,12 @@ class OpenAIServing:
                     bound = len(json.dumps([m.model_dump() for m in job.messages]).encode()) + _TEMPLATE_SLACK
                 else:
                     bound = len((job.prompt or "").encode()) + _SPECIAL_SLACK
-                if bound + max(max_new, 1) <= limit:
+                kept = job.truncate_prompt_tokens if job.truncate_prompt_tokens is not None else bound
+                if min(bound, kept) + max(max_new, 1) <= limit:
                     continue
                 n = await self.state.tokenization.prompt_len(model, job)
+                if n is not None and job.truncate_prompt_tokens is not None:
+                    n = min(n, job.truncate_prompt_tokens)  # what the worker keeps of it
             if n is not None and (n >= limit or n + max_new > limit):
                 where = "messages" if job.messages is not None else "prompt"
                 raise GatewayError(400, f"This model's maximum context length is {limit} tokens. However, you requested "

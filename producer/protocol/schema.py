@@ -272,6 +272,23 @@ class JobRequest(BaseModel):
     continue_final_message: bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, JsonValue] | None = None
+    #: vLLM's ``truncate_prompt_tokens``: the worker keeps this many of the prompt's tokens right after tokenizing it
+    #: (a chat's after its template), the last ones (``truncation_side`` "left", the default) or the first ("right");
+    #: -1: the model's context length (``max_model_len``); more than that is refused (by the gateway and the engine)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_TOKEN_ID)
+    truncation_side: Literal["left", "right"] | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_not_zero(cls, v: int | None) -> int | None:
+        if v == 0:  # vLLM's renderer makes no prompt of it; here that is the empty prompt's 400, said plainly
+            raise ValueError("truncate_prompt_tokens must be at least 1 (or -1: the model's context length); "
+                             "0 would leave an empty prompt")
+        return v
+
+    def truncated_prompt_ids(self, ids: list[int], max_model_len: int | None = None) -> list[int]:
+        """``ids`` cut as ``truncate_prompt_tokens`` / ``truncation_side`` say (-1: to ``max_model_len``, when known)."""
+        return truncate_ids(ids, self.truncate_prompt_tokens, self.truncation_side, max_model_len)
 
     @field_validator("chat_template")
     @classmethod
@@ -397,6 +414,16 @@ class JobRequest(BaseModel):
 
     def is_expired(self, now: float | None = None) -> bool:
         return self.deadline is not None and (now if now is not None else time.time()) > self.deadline
+
+
+def truncate_ids(ids: list[int], k: int | None, side: str | None, max_model_len: int | None = None) -> list[int]:
+    """vLLM's truncation of a tokenized prompt: its last ``k`` tokens (``side`` "right": its first ``k``); ``k`` -1 is
+    ``max_model_len`` (left as is while that is unknown); None: all of them."""
+    if k is not None and k < 0:
+        k = max_model_len
+    if k is None or len(ids) <= k:
+        return ids
+    return ids[:k] if side == "right" else ids[len(ids) - k:]
 
 
 def _compact_or_fields(data: Any, names: tuple[str, ...]) -> Any:

@@ -9,9 +9,10 @@ from pagestream.producer.protocol.openai import completion_logprobs, finish_reas
 from pagestream.producer.protocol.schema import JobResult, SampleResult, TokenLogprob
 
 
-def echo_text(prompt: str | list[int], prompt_lps: list[TokenLogprob]) -> str:
-    """The text ``echo`` leads a choice with: the prompt's, or a token-id prompt's tokens' (the worker named them)."""
-    return prompt if isinstance(prompt, str) else "".join(t.token for t in prompt_lps)
+def echo_text(req: CompletionRequest, prompt: str | list[int], prompt_lps: list[TokenLogprob]) -> str:
+    """The text ``echo`` leads a choice with: the prompt's, or the kept tokens' of a token-id or truncated prompt
+    (the worker named them in the prompt's logprobs)."""
+    return "".join(t.token for t in prompt_lps) if req.echoes_tokens(prompt) else prompt
 
 
 def _samples(result: JobResult) -> list[SampleResult]:
@@ -36,7 +37,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = []
         for p, result in enumerate(results):
             prompt_lps = result.prompt_logprobs or []
-            echo = echo_text(prompts[p], prompt_lps) if req.echo else ""
+            echo = echo_text(req, prompts[p], prompt_lps) if req.echo else ""
             for s in _samples(result):
                 text, lps, ids = (echo, [], []) if req.echo_only else (echo + s.text, s.logprobs or [], s.token_ids)
                 logprobs = None
@@ -62,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if not req.echo:
             return "", []
         lps = prompt_lps or []
-        return echo_text(req.prompts()[p], lps), (lps if req.logprobs is not None else [])
+        return echo_text(req, req.prompts()[p], lps), (lps if req.logprobs is not None else [])
 
     def hides_output(self, req: CompletionRequest) -> bool:
         return req.echo_only
