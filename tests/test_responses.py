@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -136,7 +137,7 @@ def test_streamed_create_every_event_validates_and_the_helpers_assemble_the_answ
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "store"),  # a background response is read back: it must be stored
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": [{"type": "input_image", "image_url": "http://x/y.png"}]}, "input.0.type"),
@@ -200,6 +201,135 @@ def test_a_worker_killed_mid_stream_the_client_still_gets_the_whole_answer_exact
     # the job really was taken over: its second delivery ran on the second worker
     job = stack["r"].hgetall(keys.job_hash(events[-1].response.id.removeprefix("resp_")))
     assert job[JobField.WORKER.encode()] == b"resp-b" and int(job[JobField.DELIVERIES.encode()]) == 2, job
+
+
+# ---- background mode and cancel ----------------------------------------------------------------------------
+
+def _settled(client, rid: str, timeout: float = 30) -> tuple[Response, list[str]]:
+    """Poll ``retrieve`` until the response leaves queued / in_progress: the final object and every status seen."""
+    seen: list[str] = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = client.responses.retrieve(rid)
+        if not seen or seen[-1] != got.status:
+            seen.append(got.status)
+        if got.status not in ("queued", "in_progress"):
+            return got, seen
+        time.sleep(0.05)
+    raise AssertionError(f"{rid} still {seen[-1]} after {timeout} s")
+
+
+def _tokens_out(stack, rid: str) -> int:
+    return stack["r"].xlen(keys.out_stream(rid.removeprefix("resp_")))
+
+
+def _live_workers(stack) -> list[WorkerProc]:
+    return [w for w in [stack["worker"], *stack["extra_workers"]] if w.proc.poll() is None]
+
+
+def test_background_create_answers_queued_and_retrieve_follows_its_job_to_the_answer(stack):
+    client = stack["alice"]
+    ask = {"model": MODEL, "input": "in the background", "max_output_tokens": 40, "extra_body": {"seed": 21}}
+    expected = client.responses.create(**ask).output_text
+    t0 = time.monotonic()
+    resp = client.responses.create(**ask, background=True)
+    assert time.monotonic() - t0 < 0.9  # 40 tokens at 25 ms a step take a second: answered before they are made
+    Response.model_validate(resp.to_dict())
+    assert resp.status == "queued" and resp.background is True and resp.output == []
+    final, seen = _settled(client, resp.id)
+    assert "in_progress" in seen, seen  # it was seen running, then its answer
+    Response.model_validate(final.to_dict())
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    assert final.output_text == expected and final.usage.output_tokens == 40 and final.background is True
+    # another tenant's key sees no such response: retrieve, cancel and stream alike
+    with pytest.raises(openai.NotFoundError):
+        stack["bob"].responses.retrieve(resp.id)
+    with pytest.raises(openai.NotFoundError):
+        stack["bob"].responses.cancel(resp.id)
+    with pytest.raises(openai.NotFoundError):
+        stack["bob"].responses.retrieve(resp.id, stream=True)
+    # cancelling a finished response answers it unchanged (OpenAI: cancel is idempotent)
+    again = client.responses.cancel(resp.id)
+    assert again.status == "incomplete" and again.output_text == expected
+    # the answer continues a conversation like any stored one
+    nxt = client.responses.create(model=MODEL, input="more", previous_response_id=resp.id, max_output_tokens=2)
+    assert nxt.usage.input_tokens == _prompt_tokens([{"role": "user", "content": "in the background"},
+                                                     {"role": "assistant", "content": expected},
+                                                     {"role": "user", "content": "more"}])
+
+
+def test_cancel_stops_a_running_background_response_and_refuses_what_it_cannot_cancel(stack):
+    client = stack["alice"]
+    resp = client.responses.create(model=MODEL, input="a long one", max_output_tokens=400, background=True)
+    # 400 tokens at 25 ms a step run 10 s: cancelled once it has made a few
+    wait_for(lambda: _tokens_out(stack, resp.id) >= 3, 10, "the background response's first tokens")
+    cancelled = client.responses.cancel(resp.id)
+    Response.model_validate(cancelled.to_dict())
+    assert cancelled.id == resp.id and cancelled.status == "cancelled"
+    job = keys.job_hash(resp.id.removeprefix("resp_"))
+    wait_for(lambda: stack["r"].hget(job, JobField.STATUS) == b"cancelled", 5, "the job cancelled at the worker")
+    made = _tokens_out(stack, resp.id)
+    time.sleep(0.5)  # 20 steps' worth: the worker spends none on it any more
+    assert _tokens_out(stack, resp.id) == made and made < 100
+    assert client.responses.retrieve(resp.id).status == "cancelled"
+    assert client.responses.cancel(resp.id).status == "cancelled"  # twice: the same answer
+    # a response not created in the background cannot be cancelled; an unknown id is a 404
+    sync = client.responses.create(model=MODEL, input="x", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.cancel(sync.id)
+    assert "synchronous" in exc.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_doesnotexist")
+    # nor streamed again: only a background response is
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.retrieve(sync.id, stream=True)
+    assert exc.value.body["param"] == "stream"
+
+
+def test_a_background_stream_left_early_runs_on_and_resumes_after_its_last_event(stack):
+    client = stack["alice"]
+    ask = {"model": MODEL, "input": "stream in the background", "max_output_tokens": 30, "seed": 4}
+    expected = client.responses.create(**{k: v for k, v in ask.items() if k != "seed"}, extra_body={"seed": 4}).output_text
+    with httpx.stream("POST", f"{stack['gw'].base_url}/responses", headers={"Authorization": "Bearer ka"}, timeout=60,
+                      json={**ask, "stream": True, "background": True}) as r:
+        assert r.status_code == 200
+        first = [EVENT.validate_python(json.loads(e["data"])) for e in read_sse(r, stop_after=8)]
+    rid = first[0].response.id
+    assert first[0].response.background is True
+    last = first[-1].sequence_number
+    # the client is gone; the response is not cancelled: the rest of its events, numbered on from where it left
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=last))
+    for ev in rest:
+        EVENT.validate_python(ev.to_dict())
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == expected
+    assert client.responses.retrieve(rid).output_text == expected  # and stored
+    # from the start, once more: the same events
+    again = list(client.responses.retrieve(rid, stream=True))
+    assert [(e.type, e.sequence_number) for e in again] == [(e.type, e.sequence_number) for e in events]
+
+
+def test_a_background_response_survives_its_worker_killed(stack, tmp_path):
+    """kill -9 of the worker running a background response: another worker reclaims its job once the lease
+    ends and resumes it; the stored answer is the whole one, as if nothing had happened."""
+    client = stack["alice"]
+    ask = {"model": MODEL, "input": "survive a crash", "max_output_tokens": 120, "extra_body": {"seed": 12}}
+    expected = client.responses.create(**ask).output_text
+    resp = client.responses.create(**ask, background=True)
+    job = keys.job_hash(resp.id.removeprefix("resp_"))
+    wait_for(lambda: _tokens_out(stack, resp.id) >= 10, 10, "the background response's first tokens")
+    running = stack["r"].hget(job, JobField.WORKER).decode()
+    (victim,) = [w for w in _live_workers(stack) if w.consumer == running]
+    victim.kill9()
+    assert client.responses.retrieve(resp.id).status == "in_progress"
+    stack["extra_workers"].append(WorkerProc(DB_URL, "fake:25", "resp-c", "--served-model-name", MODEL,
+                                             "--lease-ms", "1500", log_dir=tmp_path))
+    final, _ = _settled(client, resp.id, timeout=60)
+    assert final.status == "incomplete" and final.output_text == expected and final.usage.output_tokens == 120
+    fields = stack["r"].hgetall(job)
+    assert fields[JobField.WORKER.encode()] == b"resp-c" and int(fields[JobField.DELIVERIES.encode()]) == 2, fields
 
 
 # ---- SmolLM2 with a tool-format template: where the model's output matters -------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -84,6 +85,20 @@ def lost_error(exc: BaseException, timeout_s: float) -> GatewayError:
     if isinstance(exc, redis.RedisError):
         return GatewayError(503, "the queue is unavailable; retry later", type="server_error", code="queue_unavailable")
     return GatewayError(500, "internal error", type="server_error")
+
+
+@dataclasses.dataclass
+class Queued:
+    """A request's jobs, submitted: who owns them, its stream slot, when it came, whether it runs detached."""
+
+    job_ids: list[str]
+    jobs: list[JobRequest]
+    owner: str
+    tenant: str | None  # the key's tenant's name (None: no API keys)
+    slot: StreamSlot | None
+    arrived: float
+    created: int
+    detached: bool
 
 
 class OpenAIServing:
@@ -184,8 +199,23 @@ class OpenAIServing:
     async def create(self, request: Request, data: dict[str, Any]) -> Response:
         return await self.serve(request, data, self.parse(data))
 
+    def detaches(self, request: Request, req: OpenAIRequest) -> bool:
+        """Whether the request's jobs run on when its client leaves (no leases, no cancel)."""
+        return is_detached(request)
+
+    def prepare_jobs(self, req: OpenAIRequest, jobs: list[JobRequest]) -> None:
+        """A family's last word on its jobs before they are submitted (responses: a background job's result
+        lives as long as the stored response)."""
+
     async def serve(self, request: Request, data: dict[str, Any], req: OpenAIRequest) -> Response:
         """``req`` (parsed from ``data``) checked, queued and answered, whole or streamed."""
+        queued = await self.queue(request, req)
+        if req.stream:
+            return await self.stream_response(request, data, req, queued)
+        return await self.whole_response(request, req, queued)
+
+    async def queue(self, request: Request, req: OpenAIRequest) -> Queued:
+        """Every check, then the request's jobs submitted (all or none)."""
         arrived = time.time()
         # one job per prompt (completions take a list); every check runs before the first is submitted
         job_ids = [uuid.uuid4().hex for _ in range(req.num_jobs())]
@@ -210,6 +240,7 @@ class OpenAIServing:
         slot = await self.state.admission.admit(owner, jobs, context_len if isinstance(context_len, int) else None,
                                                 stream=bool(req.stream))
         queued: list[str] = []
+        self.prepare_jobs(req, jobs)
         try:
             for job in jobs:
                 await self.producer.submit(job, queue_unserved=True)  # the model was checked just above
@@ -220,27 +251,29 @@ class OpenAIServing:
             if slot is not None:
                 await self.state.admission.drop_stream(slot)
             raise
-        rid = self.response_id(job_ids[0])
-        created = int(time.time())
-        detached = is_detached(request)
-        if req.stream:
-            record = {"tenant": tenant.name if tenant is not None else None, "family": self.id_prefix,
-                      "created": created, "body": data, "detached": detached}
-            pipe = self.producer.redis.pipeline(transaction=False)  # the record and the first lease: one round trip
-            pipe.set(keys.stream_record(job_ids[0]), json.dumps(record), ex=int(self.settings.request_timeout_s) + 600)
-            if not detached:
-                lease_key, leases = self.state.leases.lease_args(job_ids)
-                pipe.zadd(lease_key, leases, gt=True)
-            await pipe.execute()
-            return EventStream(self.events(req, rid, created, job_ids, arrived, jobs[0].sampling.max_tokens,
-                                           owner=owner, slot=slot, detached=detached),
-                               headers={"Cache-Control": "no-cache"})
-        results = await self.wait_all(request, job_ids, detached)
+        return Queued(job_ids, jobs, owner, tenant.name if tenant is not None else None, slot, arrived,
+                      int(time.time()), self.detaches(request, req))
+
+    async def stream_response(self, request: Request, data: dict[str, Any], req: OpenAIRequest, q: Queued) -> Response:
+        record = {"tenant": q.tenant, "family": self.id_prefix, "created": q.created, "body": data,
+                  "detached": q.detached}
+        pipe = self.producer.redis.pipeline(transaction=False)  # the record and the first lease: one round trip
+        pipe.set(keys.stream_record(q.job_ids[0]), json.dumps(record), ex=int(self.settings.request_timeout_s) + 600)
+        if not q.detached:
+            lease_key, leases = self.state.leases.lease_args(q.job_ids)
+            pipe.zadd(lease_key, leases, gt=True)
+        await pipe.execute()
+        return EventStream(self.events(req, self.response_id(q.job_ids[0]), q.created, q.job_ids, q.arrived,
+                                       q.jobs[0].sampling.max_tokens, owner=q.owner, slot=q.slot, detached=q.detached),
+                           headers={"Cache-Control": "no-cache"})
+
+    async def whole_response(self, request: Request, req: OpenAIRequest, q: Queued) -> Response:
+        results = await self.wait_all(request, q.job_ids, q.detached)
         done = time.time()
         for result in results:
-            self.metrics.vllm.observe_result(req.model, result, n=req.n, max_tokens=jobs[0].sampling.max_tokens,
-                                             arrived=arrived, finished=done)
-        return JSONResponse(await self.answer(req, rid, created, results))
+            self.metrics.vllm.observe_result(req.model, result, n=req.n, max_tokens=q.jobs[0].sampling.max_tokens,
+                                             arrived=q.arrived, finished=done)
+        return JSONResponse(await self.answer(req, self.response_id(q.job_ids[0]), q.created, results))
 
     async def _cancel_all(self, job_ids: list[str]) -> None:
         for job_id in job_ids:

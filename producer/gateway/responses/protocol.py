@@ -21,7 +21,7 @@ from pagestream.producer.protocol.errors import RequestError
 _HINTS = ("user", "safety_identifier", "prompt_cache_key", "service_tier", "stream_options")
 #: OpenAI fields this server does not implement: a 400 when given a value other than these (their "off")
 _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "background": (None, False), "include": (None, []), "reasoning": (None,), "top_logprobs": (None, 0),
+    "include": (None, []), "reasoning": (None,), "top_logprobs": (None, 0),
     "max_tool_calls": (None,), "prompt": (None,), "conversation": (None,), "truncation": (None, "disabled"),
     "context_management": (None,), "prompt_cache_retention": (None,),
 }
@@ -49,7 +49,7 @@ class FunctionTool(BaseModel):
 
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses``. Unknown fields are refused (400 naming them), as are known ones set to
-    something this server does not do (``background``, ``reasoning``, ``include``, ...)."""
+    something this server does not do (``reasoning``, ``include``, ...)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -66,6 +66,7 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     stream: bool = False
     store: bool = True
+    background: bool = False
     metadata: dict[str, str] | None = None
     # vLLM's sampling extensions (extra_body)
     seed: int | None = None
@@ -154,6 +155,9 @@ class ResponsesRequest(BaseModel):
         ``previous_response_id`` continues, this answer's message to come; ``instructions`` are not carried over,
         as OpenAI does)."""
         self.refuse_unsupported()
+        if self.background and not self.store:  # a background response is read back: it must be kept
+            raise RequestError("background mode requires store=true (a background response is retrieved by its id)",
+                               param="store")
         tools = self.function_tools()
         conversation = [*history, *self.input_messages()]
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
@@ -203,6 +207,8 @@ class ResponsesChatRequest(ChatCompletionRequest):
     _responses: ResponsesRequest = PrivateAttr()
     _conversation: list[dict[str, Any]] = PrivateAttr()
     _owner: str = PrivateAttr(default="")  # the asking tenant's name, set when it is served
+    #: a background response's request body and the conversation it continued (None: not in the background)
+    _background: dict[str, Any] | None = PrivateAttr(default=None)
 
     @property
     def responses(self) -> ResponsesRequest:
@@ -240,7 +246,8 @@ def response_usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
 def response_object(rreq: ResponsesRequest, rid: str, created: int, output: list[dict[str, Any]], status: str,
                     usage: dict[str, int] | None = None, finish_reason: str | None = None,
                     error: dict[str, Any] | None = None) -> dict[str, Any]:
-    """OpenAI's ``response`` object; ``incomplete`` with ``max_output_tokens`` when the model was cut off."""
+    """OpenAI's ``response`` object; ``incomplete`` with ``max_output_tokens`` when the model was cut off (a
+    background one: ``queued`` / ``in_progress`` while its job runs, ``cancelled`` when cancelled)."""
     if status == "completed" and finish_reason == "length":
         status = "incomplete"
     tc = rreq.tool_choice if rreq.tool_choice is not None else ("auto" if rreq.tools else "none")
@@ -254,6 +261,6 @@ def response_object(rreq: ResponsesRequest, rid: str, created: int, output: list
         "previous_response_id": rreq.previous_response_id, "tool_choice": tc,
         "tools": [t.as_output() for t in rreq.function_tools()],
         "text": {"format": (rreq.text or {}).get("format") or {"type": "text"}},
-        "truncation": "disabled", "store": rreq.store, "background": False, "usage": response_usage(usage),
+        "truncation": "disabled", "store": rreq.store, "background": rreq.background, "usage": response_usage(usage),
         "completed_at": time.time() if status in ("completed", "incomplete") else None,
     }

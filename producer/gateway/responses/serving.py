@@ -7,16 +7,19 @@ crash and its job's resume), its chunks turned into Responses events by ``Respon
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from pagestream.producer.gateway.asgi import EventStream
 from pagestream.producer.gateway.chat.serving import OpenAIServingChat
 from pagestream.producer.gateway.errors import GatewayError
 from pagestream.producer.gateway.limits import StreamSlot
@@ -26,7 +29,8 @@ from pagestream.producer.gateway.responses.protocol import (ResponsesChatRequest
 from pagestream.producer.gateway.serving import sse
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.errors import RequestError
-from pagestream.producer.protocol.schema import JobResult, format_validation_error
+from pagestream.producer.protocol.limits import job_limits
+from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, format_validation_error
 from pagestream.producer.protocol.tenants import ANONYMOUS, Tenant
 
 
@@ -42,9 +46,18 @@ class ResponseStore:
     def __init__(self, redis, ttl_s: int) -> None:
         self.redis, self.ttl_s = redis, ttl_s
 
-    async def put(self, owner: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+    async def put(self, owner: str, response: dict[str, Any], conversation: list[dict[str, Any]],
+                  background: dict[str, Any] | None = None, keep_ttl: bool = False) -> None:
+        """``background``: a background response's request and the conversation it continued (what its answer is
+        rebuilt from once its job ends); ``keep_ttl``: an update that leaves the record's expiry where it was."""
         record = {"tenant": owner, "response": response, "conversation": conversation}
-        await self.redis.set(keys.response_record(response["id"]), json.dumps(record), ex=self.ttl_s)
+        if background is not None:
+            record["background"] = background
+        key = keys.response_record(response["id"])
+        if keep_ttl:
+            await self.redis.set(key, json.dumps(record), keepttl=True)
+        else:
+            await self.redis.set(key, json.dumps(record), ex=self.ttl_s)
 
     async def get(self, response_id: str, tenant: Tenant | None) -> dict[str, Any] | None:
         raw = await self.redis.get(keys.response_record(response_id))
@@ -66,6 +79,10 @@ def _assistant_turn(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if calls:
         message["tool_calls"] = calls
     return [message]
+
+
+#: a background response's statuses while its job is not final
+_RUNNING = ("queued", "in_progress")
 
 
 class OpenAIServingResponses(OpenAIServingChat):
@@ -90,7 +107,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             if previous is None:
                 raise GatewayError(404, f"Previous response with id '{rreq.previous_response_id}' not found.",
                                    param="previous_response_id", code="previous_response_not_found")
-            history = previous["conversation"]
+            history = (await self.settle(previous))["conversation"]
         try:
             req, _ = rreq.to_chat(history)
         except ValidationError as exc:  # chat's model refused it: its locations named as the Responses request's
@@ -100,23 +117,98 @@ class OpenAIServingResponses(OpenAIServingChat):
             raise GatewayError(400, format_validation_error(exc, max_errors=MAX_LISTED_ERRORS), param=param) from None
         except RequestError as exc:
             raise GatewayError(400, exc.message, param=exc.param, code=exc.code) from None
+        req._background = {"request": data, "history": history} if rreq.background else None
         return await self.serve(request, data, req)
 
-    async def retrieve(self, response_id: str, tenant: Tenant | None) -> dict[str, Any]:
+    async def load(self, response_id: str, tenant: Tenant | None) -> dict[str, Any]:
+        """The stored record (404 if none is the tenant's), a background one brought up to its job's status."""
         record = await self.store.get(response_id, tenant)
         if record is None:
             raise GatewayError(404, f"Response with id '{response_id}' not found.", code="not_found")
-        return record["response"]
+        return await self.settle(record)
+
+    def _rebuild(self, background: dict[str, Any]) -> ResponsesChatRequest:
+        req, _ = ResponsesRequest.model_validate(background["request"]).to_chat(background["history"])
+        req._background = background
+        return req
+
+    async def settle(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A background response as its job stands: ``queued`` / ``in_progress`` while it waits or runs; once the
+        job is final, its answer (``completed`` / ``incomplete``), ``failed`` or ``cancelled``, stored (any
+        gateway may do this, the first read after the job ends does)."""
+        response, background = record["response"], record.get("background")
+        if background is None or response["status"] not in _RUNNING:
+            return record
+        rid = response["id"]
+        job_id = rid.removeprefix("resp_")
+        status = await self.producer.status(job_id)
+        if status in (JobStatus.QUEUED, JobStatus.RUNNING):
+            response["status"] = "queued" if status == JobStatus.QUEUED else "in_progress"
+            return record
+        req = self._rebuild(background)
+        conversation = record["conversation"]
+        if status is None:
+            response = {**response, "status": "failed",
+                        "error": {"code": "server_error", "message": "the response's job is gone (expired or lost)"}}
+        else:
+            result = await self.producer.result(job_id, timeout=30)
+            if result.status == JobStatus.COMPLETED:
+                body = self.body(req, rid, response["created_at"], [result])
+                output = self.output_items(rid, body)
+                response = response_object(req.responses, rid, response["created_at"], output, "completed",
+                                           body["usage"], body["choices"][0]["finish_reason"])
+                conversation = conversation + _assistant_turn(output)
+            elif result.status == JobStatus.CANCELLED:
+                response = {**response, "status": "cancelled"}
+            else:
+                response = {**response, "status": "failed",
+                            "error": {"code": "server_error", "message": result.error or f"the job {result.status.value}"}}
+        stored = await self.keep(req, record["tenant"], response, conversation)
+        await self.state.admission.release(record["tenant"], [job_id])
+        return {**record, "response": stored, "conversation": conversation}
+
+    async def keep(self, req: ResponsesChatRequest, owner: str, response: dict[str, Any],
+                   conversation: list[dict[str, Any]]) -> dict[str, Any]:
+        """Store ``response`` (if the request is stored) and answer what is stored: a background response already
+        final (cancelled while its stream ran) stays as it is."""
+        if not req.responses.store:
+            return response
+        background = req._background
+        if background is None:
+            await self.store.put(owner, response, conversation)
+            return response
+        if response["status"] not in _RUNNING:
+            current = await self.store.get(response["id"], None)
+            if current is not None and current["response"]["status"] not in _RUNNING:
+                return current["response"]
+        await self.store.put(owner, response, conversation, background, keep_ttl=response["status"] not in _RUNNING)
+        return response
+
+    async def retrieve(self, response_id: str, tenant: Tenant | None) -> dict[str, Any]:
+        return (await self.load(response_id, tenant))["response"]
 
     async def delete(self, response_id: str, tenant: Tenant | None) -> dict[str, Any]:
-        await self.retrieve(response_id, tenant)
+        if await self.store.get(response_id, tenant) is None:
+            raise GatewayError(404, f"Response with id '{response_id}' not found.", code="not_found")
         await self.store.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     async def cancel(self, response_id: str, tenant: Tenant | None) -> dict[str, Any]:
-        await self.retrieve(response_id, tenant)
-        raise GatewayError(400, "Only background responses can be cancelled (this server runs none).",
-                           code="not_background")
+        """A background response's job cancelled (a queued one never runs; a running one stops at the worker's
+        next step) and the response answered ``cancelled``; one already final is answered as it is (OpenAI:
+        cancelling is idempotent); a response not created in the background is a 400."""
+        record = await self.load(response_id, tenant)
+        response = record["response"]
+        if record.get("background") is None:
+            raise GatewayError(400, "Cannot cancel a synchronous response.", param="response_id")
+        if response["status"] not in _RUNNING:
+            return response
+        status = await self.producer.cancel(response_id.removeprefix("resp_"))
+        if status is not None and status.is_final and status != JobStatus.CANCELLED:
+            return (await self.settle(record))["response"]  # it ended before the cancel reached it
+        cancelled = {**response, "status": "cancelled"}
+        await self.store.put(record["tenant"], cancelled, record["conversation"], record["background"], keep_ttl=True)
+        return cancelled
 
     def output_items(self, rid: str, body: dict[str, Any]) -> list[dict[str, Any]]:
         (choice,) = body["choices"]
@@ -134,13 +226,51 @@ class OpenAIServingResponses(OpenAIServingChat):
         output = self.output_items(rid, body)
         response = response_object(req.responses, rid, created, output, "completed", body["usage"],
                                    body["choices"][0]["finish_reason"])
-        if req.responses.store:
-            await self.store.put(req._owner, response, req.conversation + _assistant_turn(output))
-        return response
+        return await self.keep(req, req._owner, response, req.conversation + _assistant_turn(output))
+
+    def detaches(self, request: Request, req: ResponsesChatRequest) -> bool:
+        # a background response runs to its end whoever is connected (a worker crash resumes it as any job)
+        return super().detaches(request, req) or req.responses.background
+
+    def prepare_jobs(self, req: ResponsesChatRequest, jobs: list[JobRequest]) -> None:
+        if req.responses.background:  # its answer is rebuilt from the job's result while the response is kept
+            for job in jobs:
+                job.result_ttl_s = min(self.settings.response_ttl_s, job_limits().max_result_ttl_s)
 
     async def serve(self, request: Request, data: dict[str, Any], req: ResponsesChatRequest) -> Response:
         req._owner = _tenant_name(request)
-        return await super().serve(request, data, req)
+        if not req.responses.background or req.stream:
+            return await super().serve(request, data, req)
+        # background, not streamed: answered ``queued`` at once; GET /v1/responses/{id} follows its job
+        q = await self.queue(request, req)
+        rid = self.response_id(q.job_ids[0])
+        response = response_object(req.responses, rid, q.created, [], "queued")
+        try:
+            await self.keep(req, req._owner, response, req.conversation)
+        except BaseException:  # not stored: nobody could read or cancel it, so it does not run
+            await asyncio.shield(self._cancel_all(q.job_ids))
+            raise
+        return JSONResponse(response)
+
+    async def replay(self, request: Request, response_id: str, tenant: Tenant | None,
+                     starting_after: int | None) -> Response:
+        """``GET /v1/responses/{id}?stream=true``: a background response's events from the start, or after
+        ``starting_after`` (a dropped stream resumed): the job's stored token events turned into the same
+        numbered events again, then the live ones while it runs."""
+        record = await self.load(response_id, tenant)
+        background = record.get("background")
+        if background is None:
+            raise GatewayError(400, "This response cannot be streamed because it was not created with background=true.",
+                               param="stream")
+        req = self._rebuild(background)
+        req._owner = record["tenant"]
+        slot = await self.state.admission.admit(tenant.name if tenant is not None else record["tenant"], [], None,
+                                                stream=True)
+        return EventStream(self.events(req, response_id, record["response"]["created_at"],
+                                       [response_id.removeprefix("resp_")], time.time(), None, owner=record["tenant"],
+                                       slot=slot, detached=True,
+                                       starting_after=-1 if starting_after is None else starting_after),
+                           headers={"Cache-Control": "no-cache"})
 
     async def _abandoned(self, job_ids: list[str], owner: str, slot: StreamSlot | None, detached: bool) -> None:
         if not detached:
@@ -152,15 +282,21 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     async def events(self, req: ResponsesChatRequest, rid: str, created: int, job_ids: list[str], arrived: float,
                      max_tokens: int | None, resume_from: int | None = None, owner: str = ANONYMOUS,
-                     slot: StreamSlot | None = None, detached: bool = False) -> AsyncIterator[bytes]:
-        out = ResponseEvents(req, rid, created)
+                     slot: StreamSlot | None = None, detached: bool = False,
+                     starting_after: int | None = None) -> AsyncIterator[bytes]:
+        """``starting_after`` (a replay of a background response): its events numbered as the first time, those
+        up to that number left out, nothing stored (the stored record is settled from the job)."""
+        replay = starting_after is not None
+        out = ResponseEvents(req, rid, created, skip_through=-1 if starting_after is None else starting_after)
         response = response_object(req.responses, rid, created, [], "in_progress")
         chunks = self.chunk_stream(req, rid, created, job_ids, arrived, max_tokens, resume_from, owner, slot, detached)
         try:
-            if req.responses.store:
-                await self.store.put(owner, response, req.conversation)
-            yield out.event("response.created", response=response)
-            yield out.event("response.in_progress", response=response)
+            if not replay:
+                response = await self.keep(req, owner, response, req.conversation)
+            for frame in (out.event("response.created", response=response),
+                          out.event("response.in_progress", response=response)):
+                if frame:
+                    yield frame
         except BaseException:  # the client left before chat's stream began (whose finally would have ended the job)
             await chunks.aclose()  # never started: nothing runs
             self.state.spawn(self._abandoned(job_ids, owner, slot, detached))
@@ -172,21 +308,30 @@ class OpenAIServingResponses(OpenAIServingChat):
                 if "error" in obj:
                     failed = response_object(req.responses, rid, created, out.close(), "failed", error={
                         "code": "server_error", "message": obj["error"]["message"]})
-                    if req.responses.store:
-                        await self.store.put(owner, failed, req.conversation)
-                    yield out.event("response.failed", response=failed)
+                    if req.responses.background and obj["error"].get("code") == "cancelled":
+                        failed = {**failed, "status": "cancelled", "error": None}
+                    if not replay:
+                        failed = await self.keep(req, owner, failed, req.conversation)
+                    # no event of its own for a cancelled response: response.failed carries its status
+                    frame = out.event("response.failed", response=failed)
+                    if frame:
+                        yield frame
                     return
                 for frame in out.chunk(obj):
-                    yield frame
+                    if frame:
+                        yield frame
         for frame in out.finish():
-            yield frame
+            if frame:
+                yield frame
         output = out.items()
         done = response_object(req.responses, rid, created, output, "completed", out.usage, out.finish_reason)
-        if req.responses.store:
-            await self.store.put(owner, done, req.conversation + _assistant_turn(output))
+        if not replay:
+            done = await self.keep(req, owner, done, req.conversation + _assistant_turn(output))
         # as vLLM ends every stream that ran to its end: ``response.completed`` with the response's own status
         # (``incomplete`` when max_output_tokens cut it off), which the SDK's stream helpers wait for
-        yield out.event("response.completed", response=done)
+        frame = out.event("response.completed", response=done)
+        if frame:
+            yield frame
 
 
 class ResponseEvents:
@@ -194,8 +339,9 @@ class ResponseEvents:
     part for content, a ``function_call`` item per tool call, each opened when its first delta comes and
     closed at the end."""
 
-    def __init__(self, req: ResponsesChatRequest, rid: str, created: int) -> None:
+    def __init__(self, req: ResponsesChatRequest, rid: str, created: int, skip_through: int = -1) -> None:
         self.rid, self.seq = rid, 0
+        self.skip_through = skip_through  # events numbered up to this are counted, not sent (b"")
         self.base = rid.removeprefix("resp_")
         self.open: list[dict[str, Any]] = []  # output items in order, as they are being built
         self.message: dict[str, Any] | None = None
@@ -204,9 +350,10 @@ class ResponseEvents:
         self.finish_reason: str | None = None
 
     def event(self, kind: str, **fields: Any) -> bytes:
-        frame = sse({"type": kind, "sequence_number": self.seq, **fields}, event=kind)
-        self.seq += 1
-        return frame
+        seq, self.seq = self.seq, self.seq + 1
+        if seq <= self.skip_through:
+            return b""
+        return sse({"type": kind, "sequence_number": seq, **fields}, event=kind)
 
     def chunk(self, obj: dict[str, Any]) -> list[bytes]:
         frames: list[bytes] = []
