@@ -122,8 +122,31 @@ async def queue_state(client: Any, layout: LaneLayout, model: str, group: str = 
     return out
 
 
+@dataclass(slots=True)
+class ModelQueue:
+    """One announced model: until when some worker announced it serves it, and its lanes."""
+
+    served_until_ms: int
+    lanes: dict[str, LaneQueue]
+
+    def served(self, now_ms: float) -> bool:
+        """Some live worker serves it (its announcement, refreshed while a worker runs, has not run out)."""
+        return self.served_until_ms > now_ms
+
+
+async def fleet_queues(client: Any, layout: LaneLayout, group: str = keys.DEFAULT_GROUP,
+                       max_models: int = MAX_QUEUE_MODELS) -> dict[str, ModelQueue]:
+    """Every model ever announced (at most ``max_models``, the most recently announced first: a model whose
+    workers are all gone, scaled to zero or crashed, is the one whose queue matters most) with its lanes, read
+    now: what ``/metrics`` exports and ``pagestream top`` shows."""
+    announced = await client.zrevrange(keys.model_registry(), 0, max_models - 1, withscores=True)
+    return {as_str(m, "replace"): ModelQueue(int(score), await queue_state(client, layout, as_str(m, "replace"), group))
+            for m, score in announced}
+
+
 class QueueGauges:
-    """``pagestream_queue_depth`` / ``_pending`` / ``_oldest_age_seconds`` {model_name, lane}, set at each scrape."""
+    """``pagestream_queue_depth`` / ``_pending`` / ``_oldest_age_seconds`` {model_name, lane} and
+    ``pagestream_model_served`` {model_name}, set at each scrape."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         labels, r = ["model_name", "lane"], registry
@@ -133,6 +156,8 @@ class QueueGauges:
                              labels, registry=r)
         self.oldest_age = Gauge("pagestream_queue_oldest_age_seconds",
                                 "Age of the oldest job no worker has taken yet (0 when none waits)", labels, registry=r)
+        self.served = Gauge("pagestream_model_served", "1 while some live worker announces it serves the model, 0 once "
+                            "every announcement ran out (its workers gone: its queue only grows)", ["model_name"], registry=r)
         self._lock = asyncio.Lock()
         self._at = float("-inf")
 
@@ -146,29 +171,25 @@ class QueueGauges:
                 figures = await asyncio.wait_for(self._read(producer), timeout_s)
             except Exception as exc:  # Redis down, slow or failing: /metrics answers without the queue
                 log.debug("queue gauges not refreshed: %s", type(exc).__name__)
-                for g in (self.depth, self.pending, self.oldest_age):
+                for g in (self.depth, self.pending, self.oldest_age, self.served):
                     g.clear()
                 self._at = float("-inf")
                 return
             self._at = time.monotonic()
             now_ms = time.time() * 1000
-            for g in (self.depth, self.pending, self.oldest_age):
+            for g in (self.depth, self.pending, self.oldest_age, self.served):
                 g.clear()  # a model no longer in the registry leaves no series behind
-            for model, lanes in figures.items():
-                for lane, q in lanes.items():
+            for model, mq in figures.items():
+                self.served.labels(model).set(1 if mq.served(now_ms) else 0)
+                for lane, q in mq.lanes.items():
                     self.depth.labels(model, lane).set(q.depth)
                     self.pending.labels(model, lane).set(q.pending)
                     age = 0.0 if q.oldest_ms is None else max(0.0, (now_ms - q.oldest_ms) / 1000)
                     self.oldest_age.labels(model, lane).set(age)
 
     @staticmethod
-    async def _read(producer: Any) -> dict[str, dict[str, LaneQueue]]:
-        client = producer.redis
-        # every model ever announced, newest first: a model whose workers are all gone (scaled to zero, crashed)
-        # is the one whose queue matters most
-        models = [as_str(m, "replace") for m in await client.zrevrange(keys.model_registry(), 0, MAX_QUEUE_MODELS - 1)]
-        layout = await producer.layout()
-        return {m: await queue_state(client, layout, m) for m in models}
+    async def _read(producer: Any) -> dict[str, ModelQueue]:
+        return await fleet_queues(producer.redis, await producer.layout())
 
 
 def _family(line: bytes) -> bytes | None:
