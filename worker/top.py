@@ -1,7 +1,7 @@
 """``pagestream top``: the fleet live in a terminal (rich), for an SSH session.
 
 Built from the reads the rest of pagestream already makes, not from new ones: the queue per model and lane is
-``fleet_queues`` / ``queue_state`` (what the gateway's ``/metrics`` exports as ``pagestream_queue_*``), the workers,
+``protocol/queue_state.py`` (what the gateway's ``/metrics`` exports as ``pagestream_queue_*``), the workers,
 dead letters and jobs/s are ``collect_stats`` (``pagestream stats``), the recent failures are the job-event
 firehose's ``failed`` / ``dead_lettered`` events (``protocol/events.py``).
 """
@@ -17,7 +17,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pagestream.producer.gateway.metrics import LaneQueue, ModelQueue, fleet_queues, queue_state
+from pagestream.producer.protocol.queue_state import LaneQueue, ModelQueue, fleet_queues, queue_state
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.events import Event, EventField, EventType
 from pagestream.producer.protocol.lanes import resolve_layout
