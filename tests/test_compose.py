@@ -211,7 +211,8 @@ def test_docker_compose_config_renders_the_file():
     import subprocess
 
     for files in (["-f", "docker-compose.yml"], ["-f", "docker-compose.yml", "-f", "deploy/compose/gpu.yml"],
-                  ["-f", "docker-compose.yml", "-f", "deploy/compose/expose-redis.yml"]):
+                  ["-f", "docker-compose.yml", "-f", "deploy/compose/expose-redis.yml"],
+                  ["-f", "docker-compose.yml", "--profile", "observability"]):
         out = subprocess.run(["docker", "compose", *files, "config", "--format", "json"], cwd=ROOT, capture_output=True,
                              text=True, timeout=60)
         assert out.returncode == 0, out.stderr

@@ -176,6 +176,19 @@ def stats(
     typer.echo(json.dumps(data, indent=2) if as_json else format_stats(data))
 
 
+@app.command()
+def top(
+    redis_url: Optional[str] = RedisUrl,
+    interval: float = typer.Option(1.0, "--interval", min=0.1, help="seconds between frames"),
+    once: bool = typer.Option(False, "--once", help="print one frame and exit (for scripts)"),
+) -> None:
+    """Live view: queue depth and oldest job per model and lane, workers (running, KV, tokens/s, heartbeat),
+    recent failures. Ctrl-C quits."""
+    from pagestream.worker.top import run_top
+
+    run_top(_url(redis_url), interval_s=interval, once=once)
+
+
 try:  # the bulk commands live with the bulk path (producer/bulk/cli.py)
     from pagestream.producer.bulk.cli import bulk_app, bulk_worker
 

@@ -15,6 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import MetricsHandler
 
 
+#: seconds over which the snapshot's ``tokens_per_s`` is measured
+RATE_WINDOW_S = 2.0
+
 #: vLLM's buckets for ``vllm:iteration_tokens_total`` (vllm/v1/metrics/loggers.py)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -59,6 +62,8 @@ class WorkerMetrics:
                                                m, buckets=ITERATION_TOKENS_BUCKETS, registry=r)
         self._engine_seen = {"q": 0, "h": 0, "p": 0}
         self._tokens_seen = 0
+        self._rate_mark = (time.monotonic(), 0)  # (when, tokens then): tokens/s over the last RATE_WINDOW_S
+        self._tokens_per_s = 0.0
 
     def watch_engine(self, engine: Any) -> None:
         """Make ``pagestream_kv_free_blocks`` read the engine's free pool at each scrape."""
@@ -86,7 +91,14 @@ class WorkerMetrics:
         self.held.set(held)
         self.kv_usage.set(st.kv_usage)
         self._observe_vllm(st)
+        now = time.monotonic()
+        since, tokens_then = self._rate_mark
+        if now - since >= RATE_WINDOW_S:
+            self._tokens_per_s = max(0, st.num_generated_tokens - tokens_then) / (now - since)
+            self._rate_mark = (now, st.num_generated_tokens)
         return {
+            "model": self.model_name, "generated_tokens": st.num_generated_tokens,
+            "tokens_per_s": round(self._tokens_per_s, 1),
             "num_running": st.num_running, "num_waiting": st.num_waiting, "num_free_blocks": st.num_free_blocks,
             "num_total_blocks": st.num_total_blocks, "kv_usage": round(st.kv_usage, 4), "num_steps": num_steps,
             "num_completed": num_completed, "held": held, "updated_at": round(time.time(), 3),

@@ -7,7 +7,7 @@ and random paths would each make a new series (12,000 keyless requests to random
 label by ``endpoint_label(scope)``, so they stay bounded the same way.
 
 The queue's gauges (``pagestream_queue_*``, per model and lane: what vLLM has no notion of) are read from
-Redis when ``/metrics`` is scraped (``QueueGauges.refresh``): at most ``MAX_QUEUE_MODELS`` models, two
+Redis when ``/metrics`` is scraped (``QueueGauges.refresh``, through ``protocol/queue_state.py``): at most ``MAX_QUEUE_MODELS`` models, two
 commands per lane stream, within ``QUEUE_REFRESH_TIMEOUT_S``; Redis down or slow leaves them out, and the
 rest of ``/metrics`` still answers. The admission check (``max_queue_depth``) reads the same figures
 (``queue_state``). The shared, model-less lanes (jobs submitted without a model, read by workers started
@@ -19,29 +19,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagestream.producer.gateway.vllm_metrics import VllmMetrics
-from pagestream.producer.protocol import keys
-from pagestream.producer.protocol.lanes import LaneLayout
-from pagestream.producer.protocol.wire import as_str
+from pagestream.producer.protocol.queue_state import LaneQueue, ModelQueue, fleet_queues, queue_state
 
 log = logging.getLogger(__name__)
 
-#: models (the most recently announced first) whose lanes one scrape reads
-MAX_QUEUE_MODELS = 64
-#: undelivered entries counted per stream when Redis cannot tell a group's lag (entries deleted behind it)
-MAX_COUNTED_ENTRIES = 1000
 #: how long a scrape waits for the queue's figures before it answers without them
 QUEUE_REFRESH_TIMEOUT_S = 1.0
 #: a scrape within this long of the last refresh reuses its figures
 QUEUE_REFRESH_MIN_S = 0.25
 
-#: the lane label of a shared (model-less) lane's gauges: ``shared:normal``; their ``model_name`` is ""
+#: the lane label of the shared, model-less lanes' series (``model_name=""``): ``shared:high`` and so on
 SHARED_LANE_PREFIX = "shared:"
 
 #: the endpoint label of a request that matched no route (an unknown path: 404)
@@ -75,62 +67,10 @@ class GatewayMetrics:
             self.latency.labels(endpoint).observe(seconds)
 
 
-@dataclass(slots=True)
-class LaneQueue:
-    """One lane of one model, summed over its shard streams."""
-
-    depth: int = 0  # entries not yet delivered to the consumer group
-    pending: int = 0  # delivered, not acknowledged
-    oldest_ms: int | None = None  # unix ms of the oldest undelivered entry (from its stream id)
-
-
-def _entry_ms(entry_id: Any) -> int:
-    return int(as_str(entry_id).split("-", 1)[0])
-
-
-async def _stream_queue(client: Any, stream: str, group: str, ages: bool) -> LaneQueue:
-    """One lane stream's figures for ``group``: XINFO GROUPS (lag, pending, last delivered id), then (``ages``, or
-    an unknown lag) one XRANGE past the last delivered id: the oldest undelivered entry, or up to
-    ``MAX_COUNTED_ENTRIES`` of them counted when the lag is unknown. No stream yet: nothing queued; no group yet
-    (no worker ever read it): every entry undelivered."""
-    try:
-        groups = await client.xinfo_groups(stream)
-    except redis.ResponseError:  # no stream yet (a connection error is raised: it ends the read)
-        return LaneQueue()
-    g = next((g for g in groups if as_str(g.get("name"), "replace") == group), None)
-    if g is None:
-        depth = await client.xlen(stream)
-        first = await client.xrange(stream, count=1) if depth and ages else []
-        return LaneQueue(depth, 0, _entry_ms(first[0][0]) if first else None)
-    last = as_str(g.get("last-delivered-id")) or "0-0"
-    lag = g.get("lag")
-    if lag is not None and not ages:
-        return LaneQueue(int(lag), int(g.get("pending") or 0))
-    after = await client.xrange(stream, min=f"({last}", count=1 if lag is not None else MAX_COUNTED_ENTRIES)
-    depth = int(lag) if lag is not None else len(after)
-    return LaneQueue(depth, int(g.get("pending") or 0), _entry_ms(after[0][0]) if after and depth else None)
-
-
-async def queue_state(client: Any, layout: LaneLayout, model: str | None, group: str = keys.DEFAULT_GROUP,
-                      ages: bool = True) -> dict[str, LaneQueue]:
-    """Each lane of ``model``'s queue (every shard stream of it on a cluster: ``layout.streams``; None: the shared,
-    model-less lanes), read now; ``ages=False``: depth and pending only (one command a stream while Redis knows
-    the lag)."""
-    out: dict[str, LaneQueue] = {}
-    for lane in keys.LANES:
-        total = LaneQueue()
-        for part in await asyncio.gather(*(_stream_queue(client, s, group, ages) for s in layout.streams(lane, model))):
-            total.depth += part.depth
-            total.pending += part.pending
-            if part.oldest_ms is not None:
-                total.oldest_ms = part.oldest_ms if total.oldest_ms is None else min(total.oldest_ms, part.oldest_ms)
-        out[lane] = total
-    return out
-
-
 class QueueGauges:
-    """``pagestream_queue_depth`` / ``_pending`` / ``_oldest_age_seconds`` {model_name, lane}, set at each scrape
-    (the shared lanes: ``model_name=""``, ``lane="shared:<lane>"``)."""
+    """``pagestream_queue_depth`` / ``_pending`` / ``_oldest_age_seconds`` {model_name, lane} and
+    ``pagestream_model_served`` {model_name}, set at each scrape (the shared lanes: ``model_name=""``,
+    ``lane="shared:<lane>"``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         labels, r = ["model_name", "lane"], registry
@@ -140,6 +80,8 @@ class QueueGauges:
                              labels, registry=r)
         self.oldest_age = Gauge("pagestream_queue_oldest_age_seconds",
                                 "Age of the oldest job no worker has taken yet (0 when none waits)", labels, registry=r)
+        self.served = Gauge("pagestream_model_served", "1 while some live worker announces it serves the model, 0 once "
+                            "every announcement ran out (its workers gone: its queue only grows)", ["model_name"], registry=r)
         self._lock = asyncio.Lock()
         self._at = float("-inf")
 
@@ -150,35 +92,32 @@ class QueueGauges:
             if time.monotonic() - self._at < QUEUE_REFRESH_MIN_S:
                 return
             try:
-                figures = await asyncio.wait_for(self._read(producer), timeout_s)
+                figures, shared = await asyncio.wait_for(self._read(producer), timeout_s)
             except Exception as exc:  # Redis down, slow or failing: /metrics answers without the queue
                 log.debug("queue gauges not refreshed: %s", type(exc).__name__)
-                for g in (self.depth, self.pending, self.oldest_age):
+                for g in (self.depth, self.pending, self.oldest_age, self.served):
                     g.clear()
                 self._at = float("-inf")
                 return
             self._at = time.monotonic()
             now_ms = time.time() * 1000
-            for g in (self.depth, self.pending, self.oldest_age):
+            for g in (self.depth, self.pending, self.oldest_age, self.served):
                 g.clear()  # a model no longer in the registry leaves no series behind
-            for model, lanes in figures.items():
-                for lane, q in lanes.items():
-                    labels = (model, lane) if model is not None else ("", SHARED_LANE_PREFIX + lane)
-                    self.depth.labels(*labels).set(q.depth)
-                    self.pending.labels(*labels).set(q.pending)
-                    age = 0.0 if q.oldest_ms is None else max(0.0, (now_ms - q.oldest_ms) / 1000)
-                    self.oldest_age.labels(*labels).set(age)
+            rows = [((model, lane), q) for model, mq in figures.items() for lane, q in mq.lanes.items()]
+            rows += [(("", SHARED_LANE_PREFIX + lane), q) for lane, q in shared.items()]
+            for model, mq in figures.items():
+                self.served.labels(model).set(1 if mq.served(now_ms) else 0)
+            for labels, q in rows:
+                self.depth.labels(*labels).set(q.depth)
+                self.pending.labels(*labels).set(q.pending)
+                age = 0.0 if q.oldest_ms is None else max(0.0, (now_ms - q.oldest_ms) / 1000)
+                self.oldest_age.labels(*labels).set(age)
 
     @staticmethod
-    async def _read(producer: Any) -> dict[str | None, dict[str, LaneQueue]]:
-        """Each announced model's lanes, and the shared ones (None): a shared lane has no model to announce it."""
-        client = producer.redis
-        # every model ever announced, newest first: a model whose workers are all gone (scaled to zero, crashed)
-        # is the one whose queue matters most
-        models: list[str | None] = [as_str(m, "replace")
-                                    for m in await client.zrevrange(keys.model_registry(), 0, MAX_QUEUE_MODELS - 1)]
+    async def _read(producer: Any) -> tuple[dict[str, ModelQueue], dict[str, LaneQueue]]:
+        """Each announced model's lanes, and the shared ones: a shared lane has no model to announce it."""
         layout = await producer.layout()
-        return {m: await queue_state(client, layout, m) for m in [*models, None]}
+        return await fleet_queues(producer.redis, layout), await queue_state(producer.redis, layout, None)
 
 
 def _family(line: bytes) -> bytes | None:

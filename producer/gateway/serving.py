@@ -27,7 +27,7 @@ from pagestream.producer.client import JobNotFound
 from pagestream.producer.gateway.asgi import EventStream
 from pagestream.producer.gateway.errors import GatewayError
 from pagestream.producer.gateway.limits import StreamSlot
-from pagestream.producer.gateway.metrics import queue_state
+from pagestream.producer.protocol.queue_state import queue_state
 from pagestream.producer.gateway.protocol import (MAX_LISTED_ERRORS, OpenAIRequest, check_choices, check_list_lengths,
                                                   first_error_loc, usage_chunk)
 from pagestream.producer.gateway.state import GatewayState
