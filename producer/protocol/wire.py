@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagestream.producer.protocol.schema import JobRequest, TokenEvent
+from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, SampleResult, TokenEvent
 from pagestream.producer.protocol.untrusted import MAX_JSON_DEPTH, UntrustedJSONError, loads_untrusted  # noqa: F401 (re-exported)
 
 #: field of a lane-stream entry holding the JobRequest JSON
@@ -45,8 +45,40 @@ def token_event_fields(sample: int, index: int, token_ids: list[int], text: str,
     return {TYPE_FIELD: TOKEN_TYPE, "ev": json.dumps(ev, ensure_ascii=False, separators=(",", ":"))}
 
 
-def end_fields(status: str) -> dict[str, str]:
-    return {TYPE_FIELD: END_TYPE, "status": status}
+#: end-entry field: a completed job's usage and timings (compact JSON, see ``end_summary``), so a reader that
+#: only needs those (the gateway's stream: usage chunk and vLLM's metrics) does not read the whole result
+SUMMARY_FIELD = "u"
+_SUMMARY_FIELD_B = SUMMARY_FIELD.encode()
+
+
+def end_fields(status: str, result: JobResult | None = None) -> dict[str, str]:
+    """The job's ``end`` entry: its status and, for a completed ``result``, its summary (an entry without one,
+    as older workers write, is read as before: readers that need the usage read the result)."""
+    fields = {TYPE_FIELD: END_TYPE, "status": status}
+    if result is not None and result.status == JobStatus.COMPLETED:
+        fields[SUMMARY_FIELD] = json.dumps({
+            "pt": result.prompt_tokens, "ct": result.completion_tokens, "cc": result.num_cached_tokens,
+            "c": result.created_at, "s": result.started_at, "f": result.finished_at,
+            "r": [s.finish_reason for s in result.outputs]}, separators=(",", ":"))
+    return fields
+
+
+def end_summary(job_id: str, fields: dict) -> JobResult | None:
+    """The completed job's result as far as its end entry tells it (usage, timings, each sample's finish reason;
+    no text, ids or logprobs), or None when the entry carries no summary (an older worker, a job not completed)."""
+    raw = fields.get(_SUMMARY_FIELD_B, fields.get(SUMMARY_FIELD))
+    if raw is None:
+        return None
+    try:
+        u = json.loads(raw)
+        outputs = [SampleResult.model_construct(index=i, text="", token_ids=[], finish_reason=r, logprobs=None)
+                   for i, r in enumerate(u["r"])]
+        return JobResult.model_construct(
+            job_id=job_id, status=JobStatus.COMPLETED, prompt_tokens=int(u["pt"]), completion_tokens=int(u["ct"]),
+            num_cached_tokens=int(u["cc"]), created_at=u["c"], started_at=u["s"], finished_at=float(u["f"]),
+            outputs=outputs, finish_reason=outputs[0].finish_reason if outputs else None)
+    except (ValueError, TypeError, KeyError):  # not ours: the reader falls back to the result
+        return None
 
 
 def as_str(v: Any, errors: str = "strict") -> Any:

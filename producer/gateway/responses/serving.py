@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from pagestream.producer.gateway.asgi import EventStream
 from pagestream.producer.gateway.chat.serving import OpenAIServingChat
 from pagestream.producer.gateway.errors import GatewayError
 from pagestream.producer.gateway.limits import StreamSlot
@@ -149,6 +150,10 @@ class OpenAIServingResponses(OpenAIServingChat):
             await self.state.admission.release(owner, job_ids)
         if slot is not None:
             await self.state.admission.drop_stream(slot)
+
+    def event_stream(self, *args: Any, **kwargs: Any) -> EventStream:
+        """Chat's stream as Responses events (``events``)."""
+        return EventStream(self.events(*args, **kwargs), headers={"Cache-Control": "no-cache"})
 
     async def events(self, req: ResponsesChatRequest, rid: str, created: int, job_ids: list[str], arrived: float,
                      max_tokens: int | None, resume_from: int | None = None, owner: str = ANONYMOUS,
