@@ -44,7 +44,7 @@ from pagestream.producer.protocol.events import Event, EventType
 from pagestream.producer.protocol.lanes import LaneLayout
 from pagestream.producer.protocol.redis_conn import connect, connect_async, is_cluster
 from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, TokenEvent
-from pagestream.producer.protocol.wire import as_str
+from pagestream.producer.protocol.wire import JobSummary, as_str
 
 _ASYNC_PIPELINES = (aioredis.client.Pipeline, AsyncClusterPipeline)
 
@@ -58,7 +58,7 @@ def _end_status(end: list) -> JobStatus | None:
         return None
 
 
-def _end_summary(end: list) -> JobResult | None:
+def _end_summary(end: list) -> JobSummary | None:
     return end[0][1] if end and _end_status(end) == JobStatus.COMPLETED else None
 
 
@@ -72,7 +72,7 @@ class JobEvents:
     def __init__(self, producer: Producer, steps: Steps) -> None:
         self._producer, self._steps = producer, steps
         self.status: JobStatus | None = None
-        self.summary: JobResult | None = None
+        self.summary: JobSummary | None = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
         end: list = []
@@ -97,7 +97,7 @@ class AsyncJobEvents:
         return _end_status(self._end)
 
     @property
-    def summary(self) -> JobResult | None:
+    def summary(self) -> JobSummary | None:
         return _end_summary(self._end)
 
 

@@ -6,9 +6,10 @@ compact JSON built with ``json`` rather than pydantic (the hot path).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, SampleResult, TokenEvent
+from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, TokenEvent
 from pagestream.producer.protocol.untrusted import MAX_JSON_DEPTH, UntrustedJSONError, loads_untrusted  # noqa: F401 (re-exported)
 
 #: field of a lane-stream entry holding the JobRequest JSON
@@ -63,20 +64,42 @@ def end_fields(status: str, result: JobResult | None = None) -> dict[str, str]:
     return fields
 
 
-def end_summary(job_id: str, fields: dict) -> JobResult | None:
-    """The completed job's result as far as its end entry tells it (usage, timings, each sample's finish reason;
-    no text, ids or logprobs), or None when the entry carries no summary (an older worker, a job not completed)."""
+@dataclass(slots=True)
+class SampleSummary:
+    index: int
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class JobSummary:
+    """What a completed job's end entry tells of its result (``JobResult``'s fields of the same names; no
+    text, ids or logprobs): a plain object, built per stream without pydantic's per-instance work."""
+
+    job_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    num_cached_tokens: int
+    created_at: float | None
+    started_at: float | None
+    finished_at: float
+    outputs: list[SampleSummary]
+    status: JobStatus = JobStatus.COMPLETED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason if self.outputs else None
+
+
+def end_summary(job_id: str, fields: dict) -> JobSummary | None:
+    """The completed job's summary its end entry carries (usage, timings, each sample's finish reason), or None
+    when the entry has none (an older worker, a job not completed)."""
     raw = fields.get(_SUMMARY_FIELD_B, fields.get(SUMMARY_FIELD))
     if raw is None:
         return None
     try:
         u = json.loads(raw)
-        outputs = [SampleResult.model_construct(index=i, text="", token_ids=[], finish_reason=r, logprobs=None)
-                   for i, r in enumerate(u["r"])]
-        return JobResult.model_construct(
-            job_id=job_id, status=JobStatus.COMPLETED, prompt_tokens=int(u["pt"]), completion_tokens=int(u["ct"]),
-            num_cached_tokens=int(u["cc"]), created_at=u["c"], started_at=u["s"], finished_at=float(u["f"]),
-            outputs=outputs, finish_reason=outputs[0].finish_reason if outputs else None)
+        return JobSummary(job_id, int(u["pt"]), int(u["ct"]), int(u["cc"]), u["c"], u["s"], float(u["f"]),
+                          [SampleSummary(i, r) for i, r in enumerate(u["r"])])
     except (ValueError, TypeError, KeyError):  # not ours: the reader falls back to the result
         return None
 
