@@ -108,3 +108,29 @@ def test_shared_reader_rides_out_a_redis_restart():
         assert "".join(e.text for e in got).split() == [f"{got[0].job_id}:{i}" for i in range(6)]
     finally:
         server.stop()
+
+
+def test_a_follow_ends_with_the_summary_its_end_entry_carries_and_none_from_an_older_worker(redis_url, r):
+    from pagestream.producer.protocol.schema import JobResult, SampleResult
+
+    async def main():
+        async with AsyncProducer.from_url(redis_url, multiplex_reads=True) as p:
+            new, old = await p.submit(prompt="a", max_tokens=2), await p.submit(prompt="b", max_tokens=2)
+            for jid in (new, old):
+                for i in range(2):
+                    r.xadd(keys.out_stream(jid), token_event_fields(0, i, [100 + i], "x", "length" if i else None))
+            result = JobResult(job_id=new, status="completed", prompt_tokens=4, completion_tokens=2, started_at=1.0,
+                               outputs=[SampleResult(index=0, text="xx", token_ids=[100, 101], finish_reason="length")])
+            r.xadd(keys.out_stream(new), end_fields("completed", result))
+            r.xadd(keys.out_stream(old), end_fields("completed"))  # as a worker before the summary writes it
+            out = []
+            for jid in (new, old):
+                events = p.follow(jid, timeout=10)
+                out.append(([ev.index async for ev in events], events.status, events.summary))
+            return out
+
+    (new_idx, new_st, new_sum), (old_idx, old_st, old_sum) = asyncio.run(main())
+    assert new_idx == old_idx == [0, 1] and new_st == old_st == JobStatus.COMPLETED
+    assert (new_sum.prompt_tokens, new_sum.completion_tokens, new_sum.started_at) == (4, 2, 1.0)
+    assert new_sum.outputs[0].finish_reason == "length"
+    assert old_sum is None

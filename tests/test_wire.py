@@ -82,3 +82,23 @@ def test_prompt_logprobs_cross_the_wire_and_become_vllms_and_openais_shapes():
     echo = completion_logprobs(result.prompt_logprobs)
     assert echo == {"tokens": ["<5>", "<7>", "<9>"], "token_logprobs": [None, -1.5, -0.25],
                     "top_logprobs": [None, {"<7>": -1.5, "<3>": -0.5}, {"<9>": -0.25}], "text_offset": [0, 3, 6]}
+
+
+def test_a_completed_jobs_end_entry_carries_its_usage_and_timings_and_an_older_one_reads_as_none():
+    from pagestream.producer.protocol.schema import JobResult, SampleResult
+    from pagestream.producer.protocol.wire import decode_out_entry, end_fields, end_summary
+    done = JobResult(job_id="j", status="completed", prompt_tokens=7, completion_tokens=5, num_cached_tokens=3,
+                     created_at=10.0, started_at=11.5, finished_at=12.25,
+                     outputs=[SampleResult(index=0, text="abc", token_ids=[1, 2], finish_reason="length"),
+                              SampleResult(index=1, text="d", token_ids=[3], finish_reason="stop")])
+    raw = {k.encode(): v.encode() for k, v in end_fields("completed", done).items()}  # as Redis returns them
+    assert decode_out_entry("j", raw) == "completed"  # what every reader of the status reads, unchanged
+    got = end_summary("j", raw)
+    assert (got.prompt_tokens, got.completion_tokens, got.num_cached_tokens) == (7, 5, 3)
+    assert (got.created_at, got.started_at, got.finished_at) == (10.0, 11.5, 12.25)
+    assert [s.finish_reason for s in got.outputs] == ["length", "stop"] and got.finish_reason == "length"
+    # an older worker's entry, a job that did not complete, and a summary that is not ours: none (the result is read)
+    assert end_summary("j", {b"type": b"end", b"status": b"completed"}) is None
+    failed = done.model_copy(update={"status": "failed"})
+    assert "u" not in end_fields("failed", failed) and end_summary("j", end_fields("failed", failed)) is None
+    assert end_summary("j", {b"type": b"end", b"status": b"completed", b"u": b"{\"pt\": 1}"}) is None

@@ -109,7 +109,7 @@ class Final:
         if self.write_result:
             jh, out = keys.job_hash(r.job_id), keys.out_stream(r.job_id)
             job_hash.queue_final(f.pipe, jh, r.status, result_json, r.finished_at)
-            f.pipe.xadd(out, end_fields(r.status.value))
+            f.pipe.xadd(out, end_fields(r.status.value, r))
             f.pipe.expire(jh, ttl)
             f.pipe.expire(out, ttl)
             queue_event(f.pipe, final_event_fields(r), pub.events_maxlen)

@@ -27,7 +27,7 @@ from pagestream.producer.protocol.job import RESULT_READ, SCRIPTS, JobField
 from pagestream.producer.protocol.lanes import SINGLE, LaneLayout, layout_args
 from pagestream.producer.protocol.redis_conn import queue_script
 from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, TokenEvent
-from pagestream.producer.protocol.wire import JOB_FIELD, EventDeduper, as_str, decode_out_entry, is_end_entry, job_fields
+from pagestream.producer.protocol.wire import JOB_FIELD, EventDeduper, as_str, decode_out_entry, end_summary, is_end_entry, job_fields
 
 #: how long a queued job's hash lives when the job has no deadline: a job that no worker ever
 #: starts (or whose worker dies unreclaimed) does not leave keys forever. A worker sets the
@@ -412,8 +412,9 @@ class ProducerCore:
                         check.append(j)
 
     def stream(self, job_id: str, from_index: int, timeout: float | None) -> Steps:
-        """Emits the job's events; returns the status its end entry names (None when the job's
-        stream had expired before its end was read)."""
+        """Emits the job's events; returns ``(status, summary)``: the status its end entry names (None when the
+        job's stream had expired before its end was read) and the completed job's summary the entry carries
+        (``wire.end_summary``: usage and timings; None from an older worker)."""
         out_key = keys.out_stream(job_id)
         dedup = EventDeduper(from_index)
         last = "0-0"  # the last entry read: after a reconnect, reading resumes right after it
@@ -430,7 +431,7 @@ class ProducerCore:
                 if st is None and not exists:
                     raise JobNotFound(job_id)
                 if st is not None and JobStatus(as_str(st)).is_final and not exists:
-                    return None
+                    return None, None
                 if timeout is not None and time.monotonic() - idle_since > timeout:
                     raise TimeoutError(f"no event for job {job_id} in {timeout} s")
                 continue
@@ -446,6 +447,6 @@ class ProducerCore:
                     last = as_str(entry_id)
                     ev = decode_out_entry(job_id, fields)
                     if isinstance(ev, str):
-                        return ev  # the end entry's status
+                        return ev, end_summary(job_id, fields)  # the end entry's status (and usage)
                     if dedup.accept(ev):
                         yield Emit(ev)

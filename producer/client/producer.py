@@ -44,7 +44,7 @@ from pagestream.producer.protocol.events import Event, EventType
 from pagestream.producer.protocol.lanes import LaneLayout
 from pagestream.producer.protocol.redis_conn import connect, connect_async, is_cluster
 from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, TokenEvent
-from pagestream.producer.protocol.wire import as_str
+from pagestream.producer.protocol.wire import JobSummary, as_str
 
 _ASYNC_PIPELINES = (aioredis.client.Pipeline, AsyncClusterPipeline)
 
@@ -53,43 +53,52 @@ __all__ = ["AsyncJobEvents", "AsyncProducer", "JobEvents", "JobNotFound", "Model
 
 def _end_status(end: list) -> JobStatus | None:
     try:
-        return JobStatus(end[0]) if end and end[0] else None
+        return JobStatus(end[0][0]) if end and end[0][0] else None
     except ValueError:  # an end entry written by hand with a status we do not know
         return None
+
+
+def _end_summary(end: list) -> JobSummary | None:
+    return end[0][1] if end and _end_status(end) == JobStatus.COMPLETED else None
 
 
 class JobEvents:
     """What ``Producer.follow`` returns: the job's token events (iterate once); once they are
     exhausted, ``status`` is the status the job's end entry named (None before that, or when
-    the job's stream had expired), so a caller need not read the result to know how it ended."""
+    the job's stream had expired), so a caller need not read the result to know how it ended;
+    ``summary``: a completed job's usage and timings from its end entry (``wire.end_summary``; None
+    when the worker wrote none), so a caller that needs only those need not read it either."""
 
     def __init__(self, producer: Producer, steps: Steps) -> None:
         self._producer, self._steps = producer, steps
         self.status: JobStatus | None = None
+        self.summary: JobSummary | None = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
         end: list = []
         yield from self._producer._drive(self._steps, end)
-        self.status = _end_status(end)
+        self.status, self.summary = _end_status(end), _end_summary(end)
 
 
 class AsyncJobEvents:
-    """``JobEvents`` for ``AsyncProducer.follow``: an async iterable, then ``status``."""
+    """``JobEvents`` for ``AsyncProducer.follow``: an async iterable (iterate once), then ``status``
+    and ``summary``. The iterator is the producer's own reader (no generator between it and the
+    caller: a gateway stream pays per event for each); closing it ends its reads."""
 
     def __init__(self, producer: AsyncProducer, steps: Steps) -> None:
         self._producer, self._steps = producer, steps
-        self.status: JobStatus | None = None
+        self._end: list = []
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
-        return self._events()
+        return self._producer._drive(self._steps, self._end)
 
-    async def _events(self) -> AsyncIterator[TokenEvent]:
-        end: list = []
-        # closed with the caller's iteration (not whenever the collector gets to it): its reads end now
-        async with aclosing(self._producer._drive(self._steps, end)) as events:
-            async for ev in events:
-                yield ev
-        self.status = _end_status(end)
+    @property
+    def status(self) -> JobStatus | None:
+        return _end_status(self._end)
+
+    @property
+    def summary(self) -> JobSummary | None:
+        return _end_summary(self._end)
 
 
 class Producer:

@@ -27,13 +27,16 @@ Send = Callable[[dict], Any]
 
 
 class EventStream(Response):
-    """``text/event-stream`` from an async iterator of bytes. When the client goes away the
-    iterator is stopped and closed, so its ``finally`` runs (the gateway cancels the job there)."""
+    """``text/event-stream`` from an async iterator of bytes (or of items ``encode`` turns into bytes: no
+    generator between the source and the socket). When the client goes away the iterator is stopped and
+    closed, so its ``finally`` runs (the gateway cancels the job there)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, events: AsyncIterator[Any], headers: dict[str, str] | None = None,
+                 encode: Callable[[Any], bytes] | None = None) -> None:
         self.events = events
+        self.encode = encode
         self.status_code = 200
         self.background = None
         self.init_headers(headers)
@@ -52,9 +55,11 @@ class EventStream(Response):
             raise body.exception()
 
     async def _body(self, send: Send) -> None:
+        encode = self.encode
         try:
             async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": chunk if encode is None else encode(chunk),
+                            "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self.events.aclose()  # stopped at a send: its finally runs now, not when collected

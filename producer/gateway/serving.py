@@ -59,6 +59,11 @@ def is_detached(request: Request) -> bool:
     return request.headers.get(DETACH_HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
+def sse_item(item: tuple[dict | str, str]) -> bytes:
+    """One ``chunk_stream`` item ``(chunk, event id)`` as its SSE event."""
+    return sse(item[0], item[1])
+
+
 def event_id(job_id: str, token_index: int) -> str:
     """The SSE id of an event: the job and the tokens of its sample sent so far, counting this event's."""
     return f"{job_id}:{token_index}"
@@ -263,9 +268,8 @@ class OpenAIServing:
             lease_key, leases = self.state.leases.lease_args(q.job_ids)
             pipe.zadd(lease_key, leases, gt=True)
         await pipe.execute()
-        return EventStream(self.events(req, self.response_id(q.job_ids[0]), q.created, q.job_ids, q.arrived,
-                                       q.jobs[0].sampling.max_tokens, owner=q.owner, slot=q.slot, detached=q.detached),
-                           headers={"Cache-Control": "no-cache"})
+        return self.event_stream(req, self.response_id(q.job_ids[0]), q.created, q.job_ids, q.arrived,
+                                 q.jobs[0].sampling.max_tokens, owner=q.owner, slot=q.slot, detached=q.detached)
 
     async def whole_response(self, request: Request, req: OpenAIRequest, q: Queued) -> Response:
         results = await self.wait_all(request, q.job_ids, q.detached)
@@ -373,9 +377,11 @@ class OpenAIServing:
             elif (task.cancelled() or task.exception() is not None) and not keep:
                 self.state.spawn(self.producer.cancel(job_id))
 
-    async def _follow(self, p: int, job_id: str, from_index: int = 0) -> AsyncIterator[tuple[int, Any]]:
+    async def _follow(self, p: int, job_id: str, from_index: int = 0,
+                      summaries: list | None = None) -> AsyncIterator[tuple[int, Any]]:
         """``(p, event)`` for each of the job's token events, then ``(p, how it ended)``: its status, or the
-        error that ended the read (the stream reports it as the job's end)."""
+        error that ended the read (the stream reports it as the job's end); ``summaries[p]``: the completed
+        job's summary from its end entry (``wire.end_summary``)."""
         follow = self.producer.follow(job_id, from_index, timeout=self.settings.request_timeout_s)
         try:
             async with contextlib.aclosing(aiter(follow)) as events:
@@ -384,20 +390,18 @@ class OpenAIServing:
         except Exception as exc:
             yield p, exc
         else:
+            if summaries is not None:
+                summaries[p] = follow.summary
             yield p, follow.status
 
-    async def _job_events(self, job_ids: list[str], from_index: int) -> AsyncIterator[tuple[int, Any]]:
-        """Every job's ``_follow`` interleaved as they arrive. One job (the usual stream) is read in place,
-        with no task or queue between its reads and its chunks."""
-        if len(job_ids) == 1:
-            async with contextlib.aclosing(self._follow(0, job_ids[0], from_index)) as events:
-                async for item in events:
-                    yield item
-            return
+    async def _job_events(self, job_ids: list[str], from_index: int,
+                          summaries: list | None = None) -> AsyncIterator[tuple[int, Any]]:
+        """Every job's ``_follow`` interleaved as they arrive (a stream of several prompts; ``chunk_stream``
+        reads a one-job stream's events in place)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(p: int, job_id: str) -> None:
-            async with contextlib.aclosing(self._follow(p, job_id, from_index)) as events:
+            async with contextlib.aclosing(self._follow(p, job_id, from_index, summaries)) as events:
                 async for item in events:
                     await queue.put(item)
 
@@ -409,14 +413,13 @@ class OpenAIServing:
             for f in followers:
                 f.cancel()
 
-    async def events(self, req: OpenAIRequest, rid: str, created: int, job_ids: list[str], arrived: float,
+    def event_stream(self, req: OpenAIRequest, rid: str, created: int, job_ids: list[str], arrived: float,
                      max_tokens: int | None, resume_from: int | None = None, owner: str = ANONYMOUS,
-                     slot: StreamSlot | None = None, detached: bool = False) -> AsyncIterator[bytes]:
-        """``chunk_stream`` as server-sent events (closed with this stream: its ``finally`` runs when the client goes)."""
-        chunks = self.chunk_stream(req, rid, created, job_ids, arrived, max_tokens, resume_from, owner, slot, detached)
-        async with contextlib.aclosing(chunks):
-            async for obj, eid in chunks:
-                yield sse(obj, eid)
+                     slot: StreamSlot | None = None, detached: bool = False) -> EventStream:
+        """The streamed answer: ``chunk_stream``'s items encoded as server-sent events at the socket (no generator
+        between them; closed with this stream: its ``finally`` runs when the client goes)."""
+        return EventStream(self.chunk_stream(req, rid, created, job_ids, arrived, max_tokens, resume_from, owner,
+                                             slot, detached), headers={"Cache-Control": "no-cache"}, encode=sse_item)
 
     async def chunk_stream(self, req: OpenAIRequest, rid: str, created: int, job_ids: list[str], arrived: float,
                            max_tokens: int | None, resume_from: int | None = None, owner: str = ANONYMOUS,
@@ -428,7 +431,13 @@ class OpenAIServing:
         self.metrics.streams.inc()
         t0 = time.monotonic()
         n = req.n
-        job_events = self._job_events(job_ids, resume_from or 0)
+        # each job's summary (usage, timings) from its end entry: the result is read only where one is missing
+        summaries: list = [None] * len(job_ids)
+        if len(job_ids) == 1:  # the usual stream: its job's events read in place, no task or queue between
+            follow = self.producer.follow(job_ids[0], resume_from or 0, timeout=self.settings.request_timeout_s)
+            job_events = aiter(follow)
+        else:
+            follow, job_events = None, self._job_events(job_ids, resume_from or 0, summaries)
         finished = failed = False
         # leased while this client is connected; a detached stream's jobs hold none: they outlive their client
         if not detached:
@@ -451,7 +460,16 @@ class OpenAIServing:
             ids_sent: set[int] = set()  # choices (chat: -1 - prompt) whose chunk carried the prompt's ids
             hide = self.hides_output(req)
             while len(done) < len(job_ids):
-                p, ev = await anext(job_events)
+                if follow is None:
+                    p, ev = await anext(job_events)
+                else:  # as ``_follow`` reports it: each event, then the job's status or the error that ended it
+                    p = 0
+                    try:
+                        ev = await anext(job_events)
+                    except StopAsyncIteration:
+                        ev, summaries[0] = follow.status, follow.summary
+                    except Exception as exc:
+                        ev = exc
                 if not isinstance(ev, TokenEvent):  # the job's end: its status, or the follow's error
                     if isinstance(ev, (JobStatus, JobNotFound)):  # final, or gone: it stops counting
                         await self.state.admission.release(owner, [job_ids[p]])
@@ -514,7 +532,9 @@ class OpenAIServing:
                     yield chunk, last_id
             finished = True
             done_at = time.time()
-            results = await self.producer.results(job_ids, timeout=60)  # usage, and vLLM's metrics
+            # usage, and vLLM's metrics: from the end entries; the results only for a job whose entry had none
+            # (an older worker's), or whose end was not read from its stream
+            results = summaries if None not in summaries else await self.producer.results(job_ids, timeout=60)
             if req.include_usage:
                 yield usage_chunk(self.chunk_object, rid, req.model, created, results,
                                   self.settings.enable_prompt_tokens_details), last_id
@@ -562,6 +582,5 @@ async def resume(state: GatewayState, request: Request, job_id: str) -> Response
     rid = f"{serving.id_prefix}-{job_id}"
     owner = record["tenant"] or ANONYMOUS
     slot = await state.admission.admit(tenant.name if tenant is not None else owner, [], None, stream=True)
-    return EventStream(serving.events(req, rid, record["created"], [job_id], time.time(), None, from_index,
-                                      owner=owner, slot=slot, detached=bool(record.get("detached"))),
-                       headers={"Cache-Control": "no-cache"})
+    return serving.event_stream(req, rid, record["created"], [job_id], time.time(), None, from_index,
+                                owner=owner, slot=slot, detached=bool(record.get("detached")))

@@ -6,9 +6,10 @@ compact JSON built with ``json`` rather than pydantic (the hot path).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from pagestream.producer.protocol.schema import JobRequest, TokenEvent
+from pagestream.producer.protocol.schema import JobRequest, JobResult, JobStatus, TokenEvent
 from pagestream.producer.protocol.untrusted import MAX_JSON_DEPTH, UntrustedJSONError, loads_untrusted  # noqa: F401 (re-exported)
 
 #: field of a lane-stream entry holding the JobRequest JSON
@@ -45,8 +46,62 @@ def token_event_fields(sample: int, index: int, token_ids: list[int], text: str,
     return {TYPE_FIELD: TOKEN_TYPE, "ev": json.dumps(ev, ensure_ascii=False, separators=(",", ":"))}
 
 
-def end_fields(status: str) -> dict[str, str]:
-    return {TYPE_FIELD: END_TYPE, "status": status}
+#: end-entry field: a completed job's usage and timings (compact JSON, see ``end_summary``), so a reader that
+#: only needs those (the gateway's stream: usage chunk and vLLM's metrics) does not read the whole result
+SUMMARY_FIELD = "u"
+_SUMMARY_FIELD_B = SUMMARY_FIELD.encode()
+
+
+def end_fields(status: str, result: JobResult | None = None) -> dict[str, str]:
+    """The job's ``end`` entry: its status and, for a completed ``result``, its summary (an entry without one,
+    as older workers write, is read as before: readers that need the usage read the result)."""
+    fields = {TYPE_FIELD: END_TYPE, "status": status}
+    if result is not None and result.status == JobStatus.COMPLETED:
+        fields[SUMMARY_FIELD] = json.dumps({
+            "pt": result.prompt_tokens, "ct": result.completion_tokens, "cc": result.num_cached_tokens,
+            "c": result.created_at, "s": result.started_at, "f": result.finished_at,
+            "r": [s.finish_reason for s in result.outputs]}, separators=(",", ":"))
+    return fields
+
+
+@dataclass(slots=True)
+class SampleSummary:
+    index: int
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class JobSummary:
+    """What a completed job's end entry tells of its result (``JobResult``'s fields of the same names; no
+    text, ids or logprobs): a plain object, built per stream without pydantic's per-instance work."""
+
+    job_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    num_cached_tokens: int
+    created_at: float | None
+    started_at: float | None
+    finished_at: float
+    outputs: list[SampleSummary]
+    status: JobStatus = JobStatus.COMPLETED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason if self.outputs else None
+
+
+def end_summary(job_id: str, fields: dict) -> JobSummary | None:
+    """The completed job's summary its end entry carries (usage, timings, each sample's finish reason), or None
+    when the entry has none (an older worker, a job not completed)."""
+    raw = fields.get(_SUMMARY_FIELD_B, fields.get(SUMMARY_FIELD))
+    if raw is None:
+        return None
+    try:
+        u = json.loads(raw)
+        return JobSummary(job_id, int(u["pt"]), int(u["ct"]), int(u["cc"]), u["c"], u["s"], float(u["f"]),
+                          [SampleSummary(i, r) for i, r in enumerate(u["r"])])
+    except (ValueError, TypeError, KeyError):  # not ours: the reader falls back to the result
+        return None
 
 
 def as_str(v: Any, errors: str = "strict") -> Any:

@@ -280,6 +280,10 @@ class OpenAIServingResponses(OpenAIServingChat):
         if slot is not None:
             await self.state.admission.drop_stream(slot)
 
+    def event_stream(self, *args: Any, **kwargs: Any) -> EventStream:
+        """Chat's stream as Responses events (``events``)."""
+        return EventStream(self.events(*args, **kwargs), headers={"Cache-Control": "no-cache"})
+
     async def events(self, req: ResponsesChatRequest, rid: str, created: int, job_ids: list[str], arrived: float,
                      max_tokens: int | None, resume_from: int | None = None, owner: str = ANONYMOUS,
                      slot: StreamSlot | None = None, detached: bool = False,
