@@ -42,6 +42,7 @@ class WorkerMetrics:
         # vLLM's engine-side names (issue 24), labelled by the served model as vLLM labels them; the request-level
         # ones (latencies, tokens, finish reasons) are the gateway's (producer/gateway/vllm_metrics.py)
         self.model_name = model_name
+        self._rate_at, self._rate_tokens, self._tokens_per_s = time.monotonic(), 0, 0.0  # the snapshot's tokens/s
         m = ["model_name"]
         self.vllm_running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", m, registry=r)
         self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", m, registry=r)
@@ -86,10 +87,15 @@ class WorkerMetrics:
         self.held.set(held)
         self.kv_usage.set(st.kv_usage)
         self._observe_vllm(st)
+        now = time.monotonic()
+        if now - self._rate_at >= 1.0:  # over at least a second: two half-second snapshots apart
+            self._tokens_per_s = max(0, st.num_generated_tokens - self._rate_tokens) / (now - self._rate_at)
+            self._rate_at, self._rate_tokens = now, st.num_generated_tokens
         return {
             "num_running": st.num_running, "num_waiting": st.num_waiting, "num_free_blocks": st.num_free_blocks,
             "num_total_blocks": st.num_total_blocks, "kv_usage": round(st.kv_usage, 4), "num_steps": num_steps,
             "num_completed": num_completed, "held": held, "updated_at": round(time.time(), 3),
+            "model": self.model_name, "tokens_per_s": round(self._tokens_per_s, 1),  # the gateway's /dashboard shows them
         }
 
     def _observe_vllm(self, st: Any) -> None:
