@@ -76,9 +76,9 @@
     charts.latency = new uPlot({
       width: chartWidth("#chart-latency"), height: h, legend: {live: false},
       scales: {x: {time: true}},
-      series: [{}, {label: "first token", stroke: "#c42525", width: 2, spanGaps: true},
-               {label: "queue wait", stroke: "#f28f43", width: 2, spanGaps: true},
-               {label: "end to end", stroke: "#77a1e5", width: 2, spanGaps: true}],
+      series: [{}, {label: "first token", stroke: "#c42525", width: 2, spanGaps: true, points: {show: true, size: 5}},
+               {label: "queue wait", stroke: "#f28f43", width: 2, spanGaps: true, points: {show: true, size: 5}},
+               {label: "end to end", stroke: "#77a1e5", width: 2, spanGaps: true, points: {show: true, size: 5}}],
       axes: [{}, {label: "s"}],
     }, s.latency, $("#chart-latency"));
   }
