@@ -12,6 +12,9 @@ from pagestream.producer.gateway.settings import GatewaySettings
 
 # vLLM leaves its probes open too (its API-key check covers /v1 only); /invocations submits jobs, so it keeps the key
 OPEN = {"/health", "/ping", "/version", "/load", "/metrics", "/openapi.json"}
+# the dashboard's login form (it checks a key itself), logout, and its static files (script, style, uPlot: no data);
+# tests/test_dashboard.py drives them
+DASHBOARD_OPEN = {"/dashboard/login", "/dashboard/logout", "/dashboard/static/{name:path}"}
 
 
 def _routes(routes):
@@ -23,7 +26,10 @@ def _routes(routes):
             yield route
 
 
-def test_every_route_but_the_probes_answers_401_without_the_key(redis_url):
+def test_every_route_but_the_probes_answers_401_without_the_key(redis_url, monkeypatch):
+    from pagestream.producer.gateway.dashboard import api_router as dashboard
+
+    monkeypatch.setattr(dashboard, "FEED_MAX_S", 0.0)  # the dashboard's live feed ends after its first event
     app = create_app(GatewaySettings(redis_url=redis_url, api_keys=["k1"]))
     checked = []
     with TestClient(app) as client:
@@ -31,15 +37,21 @@ def test_every_route_but_the_probes_answers_401_without_the_key(redis_url):
             path = re.sub(r"\{[^}]+\}", "x", route.path)
             for method in sorted(route.methods - {"HEAD"}):
                 resp = client.request(method, path, json={})
+                if route.path in DASHBOARD_OPEN:
+                    continue
                 if route.path in OPEN:
                     assert resp.status_code != 401, (method, path)
                     continue
                 checked.append((method, route.path))
                 assert resp.status_code == 401, (method, path, resp.status_code)
-                assert resp.json()["error"]["code"] == "invalid_api_key"
+                if route.path == "/dashboard":  # the page answers with its login form
+                    assert 'name="key"' in resp.text and "Bearer" in resp.headers["www-authenticate"]
+                else:
+                    assert resp.json()["error"]["code"] == "invalid_api_key"
                 ok = client.request(method, path, json={}, headers={"Authorization": "Bearer k1"})
                 assert ok.status_code != 401, (method, path)
     assert ("POST", "/invocations") in checked and ("GET", "/v1/models/{model:path}") in checked
+    assert ("GET", "/dashboard") in checked and ("GET", "/dashboard/api/events") in checked
     assert ("POST", "/v1/chat/completions") in checked and ("GET", "/v1/files/{file_id}/content") in checked
 
 

@@ -97,6 +97,7 @@ class WorkerMetrics:
             self._tokens_per_s = max(0, st.num_generated_tokens - tokens_then) / (now - since)
             self._rate_mark = (now, st.num_generated_tokens)
         return {
+            # model and tokens/s: what `pagestream top` and the gateway's /dashboard show of a worker
             "model": self.model_name, "generated_tokens": st.num_generated_tokens,
             "tokens_per_s": round(self._tokens_per_s, 1),
             "num_running": st.num_running, "num_waiting": st.num_waiting, "num_free_blocks": st.num_free_blocks,

@@ -32,6 +32,7 @@ from pagestream.producer.gateway.chat.api_router import router as chat_router
 from pagestream.producer.gateway.chat.serving import OpenAIServingChat
 from pagestream.producer.gateway.completions.api_router import router as completions_router
 from pagestream.producer.gateway.completions.serving import OpenAIServingCompletion
+from pagestream.producer.gateway.dashboard.api_router import router as dashboard_router
 from pagestream.producer.gateway.health.api_router import router as health_router
 from pagestream.producer.gateway.invocations.api_router import router as invocations_router
 from pagestream.producer.gateway.load import InFlight, ServerLoad
@@ -92,6 +93,8 @@ def create_app(settings: GatewaySettings | None = None, producer: AsyncProducer 
     app.state.server_load = InFlight()
     app.add_middleware(ServerLoad, counter=app.state.server_load)
     app.include_router(health_router)
+    # the live dashboard checks the same keys itself: a browser sends its key as a cookie (dashboard/api_router.py)
+    app.include_router(dashboard_router)
     for router in API_ROUTERS:
         app.include_router(router, dependencies=[Depends(require_api_key)])
     return app
