@@ -95,7 +95,10 @@ def _serve(path: str) -> dict:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     waiting: dict[int, socket.socket] = {}  # child pid -> the connection its exit status goes to
-    print("zygote ready", flush=True)  # the parent waits for this line on our stdout
+    try:
+        print("zygote ready", flush=True)  # the parent waits for this line on our stdout
+    except BrokenPipeError:  # the pytest process ended before it needed us
+        os._exit(0)
     while True:
         try:
             ready, _, _ = select.select([listener, wake_r, sys.stdin], [], [])

@@ -16,11 +16,12 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from pagestream.producer.gateway.metrics import MAX_QUEUE_MODELS, queue_state
+from pagestream.producer.gateway.metrics import SHARED_LANE_PREFIX
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.bulk import BulkField, BulkStatus
 from pagestream.producer.protocol.events import Event, EventField, EventType
 from pagestream.producer.protocol.job import JobField
+from pagestream.producer.protocol.queue_state import fleet_queues, queue_state
 from pagestream.producer.protocol.schema import DeadLetter
 from pagestream.producer.protocol.tenants import ANONYMOUS, TENANT_FIELD, Tenant
 from pagestream.producer.protocol.wire import JOB_FIELD, as_str
@@ -119,16 +120,17 @@ async def visible(tenant: Tenant, owners: Owners, events: list[Event]) -> list[d
 
 
 async def queues(producer: Any) -> list[dict[str, Any]]:
-    """Every announced model's lanes (the ``/metrics`` gauges' figures, ``queue_state``)."""
+    """Every announced model's lanes and the shared ones (the ``/metrics`` gauges' figures: ``fleet_queues``)."""
     client = producer.redis
-    models = [as_str(m, "replace") for m in await client.zrevrange(keys.model_registry(), 0, MAX_QUEUE_MODELS - 1)]
     layout = await producer.layout()
+    fleet, shared = await asyncio.gather(fleet_queues(client, layout), queue_state(client, layout, None))
     now_ms = time.time() * 1000
+    lanes = [(model, lane, q) for model, mq in fleet.items() for lane, q in mq.lanes.items()]
+    lanes += [("", SHARED_LANE_PREFIX + lane, q) for lane, q in shared.items()]
     rows = []
-    for model, lanes in zip(models, await asyncio.gather(*(queue_state(client, layout, m) for m in models))):
-        for lane, q in lanes.items():
-            age = 0.0 if q.oldest_ms is None else max(0.0, (now_ms - q.oldest_ms) / 1000)
-            rows.append({"model": model, "lane": lane, "depth": q.depth, "pending": q.pending, "oldest_age_s": round(age, 1)})
+    for model, lane, q in lanes:
+        age = 0.0 if q.oldest_ms is None else max(0.0, (now_ms - q.oldest_ms) / 1000)
+        rows.append({"model": model, "lane": lane, "depth": q.depth, "pending": q.pending, "oldest_age_s": round(age, 1)})
     return rows
 
 
