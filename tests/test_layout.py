@@ -394,3 +394,15 @@ def test_transformers_loads_its_kernels_integration_from_the_checkouts_root(how)
     `make demo` and the processes `pagestream serve` spawns run), its `from kernels import ...` found ours."""
     out = subprocess.run([sys.executable, *how], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_the_wheel_lists_every_package_of_the_tree():
+    """pyproject.toml names the wheel's packages one by one (the checkout is the `pagestream` root), so a new
+    folder left out installs without it: `pip install .` then fails with ModuleNotFoundError on first use."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    tree = {"pagestream"} | {"pagestream." + ".".join(p.parent.relative_to(ROOT).parts)
+                             for top in ("engine", "kernels", "worker", "producer") for p in (ROOT / top).rglob("*.py")
+                             if "__pycache__" not in p.parts}
+    assert tree - listed == set(), f"packages missing from pyproject.toml's [tool.setuptools] packages: {sorted(tree - listed)}"
