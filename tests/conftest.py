@@ -68,10 +68,13 @@ def pytest_configure(config):
 def pytest_terminal_summary(terminalreporter):
     from zygote import counts
 
-    forked, fresh = counts()
+    forked, fresh, why = counts()
     if forked or fresh:
         terminalreporter.write_line(f"processes started by tests/zygote.py: {forked} forked from the zygote, "
                                     f"{fresh} fresh (PAGESTREAM_TEST_ZYGOTE=0 starts every one fresh)")
+    if why:
+        terminalreporter.write_line("started fresh because their environment differed from the zygote's in: "
+                                    + ", ".join(f"{k} ({n})" for k, n in sorted(why.items(), key=lambda kv: -kv[1])))
 
 
 REDIS_HOST = os.environ.get("PAGESTREAM_TEST_REDIS_HOST", "127.0.0.1")

@@ -56,8 +56,13 @@ PRELOAD = (
 
 # Environment variables a child may set differently from the zygote: read by our own code (never
 # preloaded) or at run time only. Any other difference means a fresh interpreter.
-_FREE_PREFIXES = ("PAGESTREAM_", "AWS_", "S3_", "PYTEST_")
-_FREE_KEYS = {"PYTHONUNBUFFERED", "OMP_NUM_THREADS", "REDIS_URL", "COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR"}
+# (The clients' test files set LITELLM_/LANGCHAIN_/... at import, and litellm TIKTOKEN_CACHE_DIR: none of those is read
+# at import by a preloaded package; the tokenizers
+# library reads TOKENIZERS_PARALLELISM when it decides, not at import.)
+_FREE_PREFIXES = ("PAGESTREAM_", "AWS_", "S3_", "PYTEST_", "LITELLM_", "LANGSMITH_", "LANGCHAIN_", "OPENAI_",
+                  "HF_DATASETS_", "TIKTOKEN_")
+_FREE_KEYS = {"PYTHONUNBUFFERED", "OMP_NUM_THREADS", "REDIS_URL", "COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR",
+              "TOKENIZERS_PARALLELISM"}
 
 
 def _fixed_env(env: dict) -> dict:
@@ -271,9 +276,10 @@ def _ensure() -> dict | None:
         return _zygote
 
 
-def counts() -> tuple[int, int]:
-    """(processes forked from the zygote, processes `spawn` started the ordinary way) so far."""
-    return _zygote.get("forked", 0), _zygote.get("fresh", 0)
+def counts() -> tuple[int, int, dict[str, int]]:
+    """(processes forked from the zygote, processes `spawn` started the ordinary way, and for those of them whose
+    environment differed from the zygote's, how often each variable differed) so far."""
+    return _zygote.get("forked", 0), _zygote.get("fresh", 0), dict(_zygote.get("why_fresh", {}))
 
 
 def stop() -> None:
@@ -400,7 +406,13 @@ def spawn(args, **kwargs) -> subprocess.Popen:
               and kwargs.get("close_fds", True))
     zygote = _ensure() if usable else None
     env = kwargs.get("env")
-    if zygote is not None and _fixed_env(dict(env) if env is not None else dict(os.environ)) == zygote["env"]:
+    fixed = _fixed_env(dict(env) if env is not None else dict(os.environ)) if zygote is not None else None
+    if zygote is not None and fixed != zygote["env"]:  # say why, in the run's summary
+        differ = sorted(k for k in fixed.keys() | zygote["env"].keys() if fixed.get(k) != zygote["env"].get(k))
+        why = zygote.setdefault("why_fresh", {})
+        for k in differ:
+            why[k] = why.get(k, 0) + 1
+    if zygote is not None and fixed == zygote["env"]:
         try:
             proc = ZygotePopen(args, zygote=zygote, kind=how[0], target=how[1], target_args=how[2], **kwargs)
             _zygote["forked"] += 1
