@@ -326,7 +326,13 @@ def test_cli_submit_wait_status_cancel_with_plain_rq_worker(redis_url, tmp_path)
     finally:
         stop.set()
         standin.join(timeout=30)
-        rq_proc.wait(timeout=60)
+        try:
+            rq_proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            # RQ 3.0's own burst worker can sit 60 s in its exit once its work is done (it sends UNSUBSCRIBE before
+            # it clears its listener's run flag: BENCHMARKS.md, "Test time"; our BulkWorker does not): stop it warm
+            rq_proc.terminate()
+            rq_proc.wait(timeout=30)
     res = runner.invoke(app, ["bulk", "status", bulk_id, "--redis-url", redis_url, "--json"])
     st = json.loads(res.output)
     assert st["status"] == "completed" and st["request_counts"] == {"total": 120, "completed": 116, "failed": 4}
