@@ -65,16 +65,40 @@ def pytest_configure(config):
         start()
 
 
+_ZYGOTE_COUNTS = {"forked": 0, "fresh": 0, "why": {}}  # in an xdist controller: its workers' counts, summed
+
+
+def _add_zygote_counts(forked: int, fresh: int, why: dict) -> None:
+    _ZYGOTE_COUNTS["forked"] += forked
+    _ZYGOTE_COUNTS["fresh"] += fresh
+    for k, n in why.items():
+        _ZYGOTE_COUNTS["why"][k] = _ZYGOTE_COUNTS["why"].get(k, 0) + n
+
+
+def pytest_sessionfinish(session):
+    from zygote import counts
+
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller prints the run's counts
+        session.config.workeroutput["zygote"] = counts()
+
+
+def pytest_testnodedown(node, error):
+    counted = getattr(node, "workeroutput", {}).get("zygote")
+    if counted:
+        _add_zygote_counts(*counted)
+
+
 def pytest_terminal_summary(terminalreporter):
     from zygote import counts
 
-    forked, fresh, why = counts()
+    _add_zygote_counts(*counts())
+    forked, fresh, why = _ZYGOTE_COUNTS["forked"], _ZYGOTE_COUNTS["fresh"], _ZYGOTE_COUNTS["why"]
     if forked or fresh:
-        terminalreporter.write_line(f"processes started by tests/zygote.py: {forked} forked from the zygote, "
+        terminalreporter.write_line(f"processes started by tests/zygote.py: {forked} forked from a zygote, "
                                     f"{fresh} fresh (PAGESTREAM_TEST_ZYGOTE=0 starts every one fresh)")
     if why:
-        terminalreporter.write_line("started fresh because their environment differed from the zygote's in: "
-                                    + ", ".join(f"{k} ({n})" for k, n in sorted(why.items(), key=lambda kv: -kv[1])))
+        terminalreporter.write_line("the environment drifted from the first zygote's (a zygote of its own, or fresh "
+                                    "past three) in: " + ", ".join(f"{k} ({n})" for k, n in sorted(why.items(), key=lambda kv: -kv[1])))
 
 
 REDIS_HOST = os.environ.get("PAGESTREAM_TEST_REDIS_HOST", "127.0.0.1")

@@ -59,8 +59,9 @@ PRELOAD = (
 # (The clients' test files set LITELLM_/LANGCHAIN_/... at import, and litellm TIKTOKEN_CACHE_DIR: none of those is read
 # at import by a preloaded package; the tokenizers
 # library reads TOKENIZERS_PARALLELISM when it decides, not at import.)
+# NCCL_ and the like: read when torch.distributed starts (engine/parallel_state.py sets them in-process).
 _FREE_PREFIXES = ("PAGESTREAM_", "AWS_", "S3_", "PYTEST_", "LITELLM_", "LANGSMITH_", "LANGCHAIN_", "OPENAI_",
-                  "HF_DATASETS_", "TIKTOKEN_")
+                  "HF_DATASETS_", "TIKTOKEN_", "NCCL_", "TORCH_SYMM_MEM_", "NVSHMEM_")
 _FREE_KEYS = {"PYTHONUNBUFFERED", "OMP_NUM_THREADS", "REDIS_URL", "COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR",
               "TOKENIZERS_PARALLELISM"}
 
@@ -226,10 +227,15 @@ def main() -> None:
 # The client (in the pytest process)
 # ---------------------------------------------------------------------------------------------------
 
-# One zygote per pytest process, although this file may be imported twice (as `zygote` and `tests.zygote`)
+# The zygotes of this pytest process, although this file may be imported twice (as `zygote` and `tests.zygote`)
 _shared = sys.modules.setdefault("_pagestream_test_zygote", types.ModuleType("_pagestream_test_zygote"))
 _lock = _shared.__dict__.setdefault("lock", threading.Lock())
-_zygote: dict = _shared.__dict__.setdefault("zygote", {})  # "proc", "path", "env" once up; "off" if it could not start
+#: "zygotes": one per environment seen (at most MAX_ZYGOTES), each {"proc", "path", "env", "ready"};
+#: "forked" / "fresh": the counts; "why_fresh": variables whose difference started a new zygote or a fresh process
+_state: dict = _shared.__dict__.setdefault("state", {"zygotes": [], "forked": 0, "fresh": 0, "why_fresh": {}})
+#: a test run whose environment drifts (a library that sets a variable when a test imports it) gets a zygote for
+#: the new one too, up to this many; past it, such processes start fresh
+MAX_ZYGOTES = 3
 
 
 def _enabled() -> bool:
@@ -237,62 +243,78 @@ def _enabled() -> bool:
 
 
 def start() -> None:
-    """Start the zygote in the background (it imports for a few seconds); `spawn` waits for it when it needs it.
-    Its environment is this process's now: start it before tests change theirs (conftest does, at import)."""
+    """Start a zygote for this process's environment, in the background (it imports for a few seconds); `spawn`
+    waits for it when it needs it (conftest starts one at configure time, so it imports while tests collect)."""
     with _lock:
-        _start_locked()
+        _start_locked(dict(os.environ))
 
 
-def _start_locked() -> None:
-    if not _enabled() or _zygote.get("off") or _zygote.get("proc") is not None:
-        return
+def _start_locked(env: dict) -> dict | None:
+    fixed = _fixed_env(env)
+    for z in _state["zygotes"]:
+        if z["env"] == fixed:
+            return z
+    if not _enabled() or len(_state["zygotes"]) >= MAX_ZYGOTES:
+        return None
     path = os.path.join(tempfile.mkdtemp(prefix="pagestream-zygote-"), "sock")
-    env = dict(os.environ)
     try:
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), path], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, cwd=os.path.dirname(os.path.abspath(__file__)), env=env)
     except OSError:
-        _zygote["off"] = True
-        return
-    _zygote.update(proc=proc, path=path, env=_fixed_env(env), ready=False, forked=0, fresh=0)
+        return None
+    z = {"proc": proc, "path": path, "env": fixed, "ready": False}
+    _state["zygotes"].append(z)
+    return z
 
 
-def _ensure() -> dict | None:
+def _ensure(env: dict) -> dict | None:
+    """The ready zygote for ``env`` (started now if none has its environment yet), or None."""
     with _lock:
-        _start_locked()
-        proc = _zygote.get("proc")
-        if _zygote.get("off") or proc is None:
+        first = _state["zygotes"][0]["env"] if _state["zygotes"] else None
+        z = _start_locked(env)
+        if first is not None and (z is None or z["env"] != first):  # say in the summary what drifted
+            fixed = _fixed_env(env)
+            for k in sorted(k for k in fixed.keys() | first.keys() if fixed.get(k) != first.get(k)):
+                _state["why_fresh"][k] = _state["why_fresh"].get(k, 0) + 1
+        if z is None or z.get("off"):
             return None
-        if not _zygote["ready"]:
-            if proc.stdout.readline().strip() != b"zygote ready":
-                _zygote["off"] = True
+        proc = z["proc"]
+        if not z["ready"]:
+            line = b""
+            for line in iter(proc.stdout.readline, b""):  # a package may print while the zygote imports
+                if line.strip() == b"zygote ready":
+                    break
+            if line.strip() != b"zygote ready":
+                z["off"] = True
                 if proc.poll() is None:
                     proc.kill()
                 return None
-            _zygote["ready"] = True
-        if proc.poll() is not None:  # it died: no more forks this run
-            _zygote["off"] = True
+            z["ready"] = True
+        if proc.poll() is not None:  # it died: no more forks from it this run
+            z["off"] = True
             return None
-        return _zygote
+        return z
 
 
 def counts() -> tuple[int, int, dict[str, int]]:
-    """(processes forked from the zygote, processes `spawn` started the ordinary way, and for those of them whose
-    environment differed from the zygote's, how often each variable differed) so far."""
-    return _zygote.get("forked", 0), _zygote.get("fresh", 0), dict(_zygote.get("why_fresh", {}))
+    """(processes forked from a zygote, processes `spawn` started the ordinary way, and how often each variable
+    differed from the first zygote's environment in a request: those got a zygote of their own, or past
+    MAX_ZYGOTES a fresh process) so far."""
+    return _state["forked"], _state["fresh"], dict(_state["why_fresh"])
 
 
 def stop() -> None:
-    """End the zygote (its children are left to their owners)."""
+    """End the zygotes (their children are left to their owners)."""
     with _lock:
-        proc = _zygote.pop("proc", None)
-        _zygote["off"] = True
-        if proc is not None and proc.poll() is None:
-            proc.stdin.close()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for z in _state["zygotes"]:
+            z["off"] = True
+            proc = z["proc"]
+            if proc.poll() is None:
+                proc.stdin.close()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
 
 class ZygotePopen(subprocess.Popen):
@@ -346,7 +368,7 @@ class ZygotePopen(subprocess.Popen):
         if data:
             self.returncode = json.loads(data)["exit"]
         else:  # the zygote died first: the child was reparented; wait for it to vanish
-            while os.path.exists(f"/proc/{self.pid}") and _state(self.pid) not in ("Z", "X"):
+            while os.path.exists(f"/proc/{self.pid}") and _proc_state(self.pid) not in ("Z", "X"):
                 if timeout is not None and timeout <= 0:
                     return False
                 select.select([], [], [], 0.05)
@@ -368,7 +390,7 @@ class ZygotePopen(subprocess.Popen):
         return self.returncode
 
 
-def _state(pid: int) -> str:
+def _proc_state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]
@@ -404,23 +426,17 @@ def spawn(args, **kwargs) -> subprocess.Popen:
     how = _how(args)
     usable = (how is not None and _enabled() and not any(kwargs.get(k) for k in _NOT_SUPPORTED)
               and kwargs.get("close_fds", True))
-    zygote = _ensure() if usable else None
     env = kwargs.get("env")
-    fixed = _fixed_env(dict(env) if env is not None else dict(os.environ)) if zygote is not None else None
-    if zygote is not None and fixed != zygote["env"]:  # say why, in the run's summary
-        differ = sorted(k for k in fixed.keys() | zygote["env"].keys() if fixed.get(k) != zygote["env"].get(k))
-        why = zygote.setdefault("why_fresh", {})
-        for k in differ:
-            why[k] = why.get(k, 0) + 1
-    if zygote is not None and fixed == zygote["env"]:
+    zygote = _ensure(dict(env) if env is not None else dict(os.environ)) if usable else None
+    if zygote is not None:
         try:
             proc = ZygotePopen(args, zygote=zygote, kind=how[0], target=how[1], target_args=how[2], **kwargs)
-            _zygote["forked"] += 1
+            _state["forked"] += 1
             return proc
         except OSError as e:
             if e.errno != errno.ECHILD:
                 raise
-    _zygote["fresh"] = _zygote.get("fresh", 0) + 1
+    _state["fresh"] += 1
     return subprocess.Popen(args, **kwargs)
 
 
