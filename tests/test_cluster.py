@@ -181,7 +181,8 @@ def test_the_gateway_serves_completions_and_streams_from_a_cluster(cluster, tmp_
         text = httpx.get(f"http://127.0.0.1:{gw.port}/metrics", timeout=10).text
         depth = {(s.labels["model_name"], s.labels["lane"]): s.value for f in text_string_to_metric_families(text)
                  if f.name == "pagestream_queue_depth" for s in f.samples}
-        assert depth == {("fake-model", lane): 0 for lane in ("high", "normal", "low")}, text
+        lanes = ("high", "normal", "low")  # the model's lanes, and the shared, model-less ones (model_name="")
+        assert depth == {**{("fake-model", lane): 0 for lane in lanes}, **{("", f"shared:{lane}"): 0 for lane in lanes}}, text
     finally:
         gw.stop()
         worker.stop()

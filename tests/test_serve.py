@@ -151,7 +151,7 @@ def test_serve_metrics_carry_the_gateways_and_the_workers_series_in_one_scrape(t
         steps = [s for s in fams["vllm:iteration_tokens_total"].samples if s.name == "vllm:iteration_tokens_total_sum"]
         assert [s.labels for s in steps] == [m] and steps[0].value == 3 + 4 - 1  # its prompt, then its tokens after the first
         assert {(s.labels["model_name"], s.labels["lane"]) for s in fams["pagestream_queue_depth"].samples} == \
-            {("served-fake", lane) for lane in keys.LANES}
+            {("served-fake", lane) for lane in keys.LANES} | {("", f"shared:{lane}") for lane in keys.LANES}
         assert "pagestream_engine_steps_total" in text and "pagestream_gateway_requests_total" in text
 
         # a worker that does not answer (stopped): the gateway's own series answer, at once
