@@ -164,6 +164,7 @@ def test_lists_paginate_per_tenant_as_openai_does(stack, tmp_path):
 def test_keys_never_reach_redis_or_the_log(stack, tmp_path):
     alice = client(stack, ALICE)
     f = upload(alice, [line("k")], tmp_path)
+    upload(client(stack, PLAIN), [line("p")], tmp_path)  # a key with no tenant name: its records go under one made of it
     b = alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_final(alice, b.id, stack)
     chat = alice.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)

@@ -59,11 +59,14 @@ PRELOAD = (
 # (The clients' test files set LITELLM_/LANGCHAIN_/... at import, and litellm TIKTOKEN_CACHE_DIR: none of those is read
 # at import by a preloaded package; the tokenizers
 # library reads TOKENIZERS_PARALLELISM when it decides, not at import.)
-# NCCL_ and the like: read when torch.distributed starts (engine/parallel_state.py sets them in-process).
+# NCCL_ and the like: read when torch.distributed starts (engine/parallel_state.py sets them in-process). What the
+# suite's in-process imports set (a full xdist run named them): TORCHINDUCTOR_CACHE_DIR (torch's inductor, read when it
+# compiles), HF_XET_HIGH_PERFORMANCE and HF_HUB_ENABLE_HF_TRANSFER (lm-eval; downloads only, and the tests' processes
+# download nothing), KMP_DUPLICATE_LIB_OK (Intel's OpenMP runtime; torch's CPU wheel loads GNU's).
 _FREE_PREFIXES = ("PAGESTREAM_", "AWS_", "S3_", "PYTEST_", "LITELLM_", "LANGSMITH_", "LANGCHAIN_", "OPENAI_",
-                  "HF_DATASETS_", "TIKTOKEN_", "NCCL_", "TORCH_SYMM_MEM_", "NVSHMEM_")
+                  "HF_DATASETS_", "TIKTOKEN_", "NCCL_", "TORCH_SYMM_MEM_", "NVSHMEM_", "TORCHINDUCTOR_", "HF_XET_")
 _FREE_KEYS = {"PYTHONUNBUFFERED", "OMP_NUM_THREADS", "REDIS_URL", "COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR",
-              "TOKENIZERS_PARALLELISM"}
+              "TOKENIZERS_PARALLELISM", "HF_HUB_ENABLE_HF_TRANSFER", "KMP_DUPLICATE_LIB_OK"}
 
 
 def _fixed_env(env: dict) -> dict:
