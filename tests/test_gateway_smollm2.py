@@ -107,8 +107,8 @@ def test_logprobs_through_the_queue_equal_the_engines(served, llm):
     raw = served.chat.completions.with_raw_response.create(**kw).http_response.json()
     whole = openai.types.chat.ChatCompletion.model_validate(raw)
     assert whole.choices[0].message.content == ref.text
-    # the same tokens and top tokens streamed and whole; the floats to 1e-5 (the second request's prompt is a prefix-cache
-    # hit, and a cached prefill sums in another order: they differed by ~1e-6 with one torch thread a process)
+    # the same tokens and top tokens streamed and whole; the floats to 1e-4 (the second request's prompt is a prefix-cache
+    # hit, and a cached prefill sums in another order: up to 1.3e-5 apart in a low top-logprob, one torch thread each)
     def shape(ts):
         return [(t.token, t.bytes, [(a.token, a.bytes) for a in t.top_logprobs]) for t in ts]
 
@@ -116,7 +116,7 @@ def test_logprobs_through_the_queue_equal_the_engines(served, llm):
         return [x for t in ts for x in (t.logprob, *(a.logprob for a in t.top_logprobs))]
 
     assert shape(content) == shape(whole.choices[0].logprobs.content)
-    assert floats(content) == pytest.approx(floats(whole.choices[0].logprobs.content), abs=1e-5)
+    assert floats(content) == pytest.approx(floats(whole.choices[0].logprobs.content), abs=1e-4)
     assert [t.token for t in content] == [tok.decode([i]) for i in ref.token_ids]
     for t, i, d in zip(content, ref.token_ids, ref.logprobs, strict=True):
         assert t.logprob == pytest.approx(d[i], abs=1e-5) and t.logprob <= 0 and t.bytes == list(t.token.encode())
