@@ -115,6 +115,7 @@ def test_cancel_of_a_running_job_reaches_the_worker_through_the_cancel_stream(cl
     w = _worker(cluster.url)
     w.run(max_steps=3)
     assert w.engine.stats().num_running == 1
+    assert w.publisher.flush(10)  # the start marker is the publisher thread's to write, off the step
     assert p.cancel(jid) == JobStatus.RUNNING
     r = connect(cluster.url)
     assert r.xlen(keys.cancel_stream()) == 1 and r.hget(keys.job_hash(jid), "cancel_requested")

@@ -221,6 +221,7 @@ def test_cancel_running_job_stops_within_one_step_and_frees_blocks(r, redis_url,
     try:
         w.run(max_steps=3)
         assert engine.stats().num_free_blocks < total
+        assert w.publisher.flush(10)  # the start marker is the publisher thread's to write, off the step
         assert producer.cancel(jid) == JobStatus.RUNNING
         wait_for(lambda: w._cancel_requests, 5, "cancel to reach the worker")
         w.run(max_steps=1)
