@@ -209,6 +209,10 @@ def test_a_stream_with_return_token_ids_gives_each_choice_its_prompts_ids_once(s
     ({"prompt": "x", "logit_bias": {"x": 1.0}}, "logit_bias"),
     ({"prompt": "x", "seed": 2**63}, "seed"),
     ({"prompt": "x", "logit_bias": {"5": 101.0}}, "logit_bias"),  # OpenAI's range: [-100, 100]
+    ({"prompt": "x", "logit_bias": {"5": -100.5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"50001": 1.0}}, "logit_bias"),  # the fake's vocabulary: ids below 50,001
+    ({"prompt": "x", "stop_token_ids": [50_001]}, "stop_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [1, 99_999]}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     # vLLM's checks of prompt logprobs; their values come with the result, so not on a stream
@@ -224,6 +228,29 @@ def test_bad_inputs_answer_400_with_the_reason_before_any_worker_step(stack, bod
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["message"] and (err["param"] or "").startswith(param.split("_")[0]), err
+    assert _lane_lengths(r) == before
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [7, 50_001]}, "stop_token_ids"),
+    ({"logit_bias": {"50001": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"-3": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"5": -101}}, "logit_bias"),
+])
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_bad_stop_token_ids_and_logit_bias_are_a_400_naming_the_field_before_anything_is_queued(stack, path, body, param):
+    """Issue 24: negative or out-of-vocabulary ``stop_token_ids``, ``logit_bias`` keys outside the vocabulary and
+    values outside OpenAI's [-100, 100], on both endpoints: a 400 whose message and ``param`` name the field, and
+    the model's lanes as they were (no job queued)."""
+    r = stack["r"]
+    before = _lane_lengths(r)
+    prompt = {"prompt": "x"} if path == "/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    resp = httpx.post(stack["gw"].base_url + path, json={"model": MODEL, "max_tokens": 2, **prompt, **body}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and param in err["message"], err
     assert _lane_lengths(r) == before
 
 
