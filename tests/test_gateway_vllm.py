@@ -142,19 +142,29 @@ def test_truncate_prompt_tokens_keeps_the_side_asked_for(stack):
 
 
 def test_truncate_prompt_tokens_cuts_a_text_prompt_and_a_chat_after_the_workers_tokenizer(stack):
-    """The worker tokenizes a text prompt (a chat: its template applied) and keeps the side asked for; usage,
-    ``return_token_ids`` and ``echo`` show what it kept."""
+    """The worker tokenizes a text prompt (a chat: its template applied) and keeps the side asked for; usage and
+    ``return_token_ids`` show what it kept. ``echo`` is vLLM's: the prompt's text as sent (vLLM's renderer keeps the
+    text and cuts only the ids), whole and streamed; none with ``return_token_ids``."""
     c, fake = stack["client"], FakeEngine()
     words = "one two three four five six"
     ids = fake.tokenizer.encode(words)
     for side, kept, kept_words in (("left", ids[-3:], "four five six"), ("right", ids[:3], "one two three")):
+        cut = {"truncate_prompt_tokens": 3, "truncation_side": side}
         got = c.completions.create(model=MODEL, prompt=words, max_tokens=2, seed=4, echo=True,
-                                   extra_body={"truncate_prompt_tokens": 3, "truncation_side": side,
-                                               "return_token_ids": True})
+                                   extra_body={**cut, "return_token_ids": True})
         choice = got.model_dump()["choices"][0]
         assert choice["prompt_token_ids"] == kept and got.usage.prompt_tokens == 3
-        # echo: the kept tokens as the worker names them; the sample: that of the kept prompt alone
-        assert choice["text"] == fake.tokenizer.decode(kept) + fake.expected_text(kept_words, 4, 2)
+        # the sample: that of the kept prompt alone; echo with return_token_ids: no prompt text (vLLM's)
+        assert choice["text"] == fake.expected_text(kept_words, 4, 2)
+        echoed = c.completions.create(model=MODEL, prompt=words, max_tokens=2, seed=4, echo=True, extra_body=cut)
+        assert echoed.choices[0].text == words + fake.expected_text(kept_words, 4, 2)  # the text as sent
+        assert echoed.usage.prompt_tokens == 3
+        streamed = c.completions.create(model=MODEL, prompt=words, max_tokens=2, seed=4, echo=True, stream=True,
+                                        extra_body=cut)
+        assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == echoed.choices[0].text
+        with_ids = c.completions.create(model=MODEL, prompt=words, max_tokens=2, seed=4, echo=True, stream=True,
+                                        extra_body={**cut, "return_token_ids": True})
+        assert "".join(ch.choices[0].text for ch in with_ids if ch.choices) == choice["text"]
     messages = [{"role": "user", "content": "a chat cut to its last tokens"}]
     rendered = fake.tokenizer.apply_chat_template(messages, tokenize=True)
     chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,

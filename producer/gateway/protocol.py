@@ -191,9 +191,11 @@ class CompletionRequest(OpenAIRequest):
         return len(self.prompts())
 
     def echoes_tokens(self, prompt: str | list[int]) -> bool:
-        """Whether ``echo`` shows the prompt's kept tokens as the worker names them (a token-id prompt, or a text
-        prompt the worker truncates) rather than the prompt's text as sent."""
-        return not isinstance(prompt, str) or self.truncate_prompt_tokens is not None
+        """Whether ``echo`` shows the prompt's tokens as the worker names them (a token-id prompt) rather than the
+        prompt's text as sent. vLLM echoes a text prompt as sent even when ``truncate_prompt_tokens`` cut its ids
+        (its renderer keeps the text and cuts only ``prompt_token_ids``), and echoes no prompt text at all with
+        ``return_token_ids`` (the ids are in ``prompt_token_ids``; it does not detokenize them)."""
+        return not isinstance(prompt, str) and not self.return_token_ids
 
     @property
     def echo_only(self) -> bool:
