@@ -188,6 +188,26 @@ def test_continuous_usage_stats_count_tokens_on_every_chunk(stack):
     assert chunks[-1].usage.prompt_tokens == 2
 
 
+def test_a_chat_streams_continuous_usage_starts_with_the_role_chunk(stack):
+    """vLLM's chat stream with ``continuous_usage_stats``: the role chunks (one per choice) and chat echo's chunks
+    carry the prompt's size and 0 tokens; every chunk after them its choice's tokens so far; the usage chunk last."""
+    c = stack["client"]
+    messages = [{"role": "user", "content": "count along"}, {"role": "assistant", "content": "one two"}]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, seed=2, n=2)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, seed=2, n=2, stream=True,
+                                            extra_body={"echo": True}, stream_options={"include_usage": True,
+                                                                                       "continuous_usage_stats": True}))
+    size = whole.usage.prompt_tokens
+    assert [(ch.choices[0].delta.role, ch.usage.completion_tokens) for ch in chunks[:2]] == [("assistant", 0)] * 2
+    assert [(ch.choices[0].delta.content, ch.usage.completion_tokens) for ch in chunks[2:4]] == [("one two", 0)] * 2
+    assert all(ch.usage is not None and ch.usage.prompt_tokens == size for ch in chunks)
+    counted: dict[int, list[int]] = {}
+    for ch in chunks[:-1]:
+        counted.setdefault(ch.choices[0].index, []).append(ch.usage.completion_tokens)
+    assert all(v == sorted(v) and v[-1] == 4 for v in counted.values()) and sorted(counted) == [0, 1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 8
+
+
 def test_a_stream_with_return_token_ids_gives_each_choice_its_prompts_ids_once(stack):
     c, fake = stack["client"], FakeEngine()
     prompts = ["the ids of this", "and these"]
