@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+import uuid
 
 import httpx
 import openai
@@ -20,7 +21,7 @@ from pagestream.producer.protocol.wire import decode_out_entry
 from gateway_helpers import ServeProc
 from private_redis import free_port
 from queue_helpers import wait_for
-from test_gateway import DB_URL
+from test_gateway import DB_URL, _lane_lengths
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +36,10 @@ def metrics_port() -> int:
 def served(smollm2_dir, tmp_path_factory, metrics_port):
     r = redis.Redis.from_url(DB_URL)
     r.flushdb()
-    serve = ServeProc(smollm2_dir, "--served-model-name", "smollm2", "--max-num-seqs", "4", log_dir=tmp_path_factory.mktemp("serve"),
-                      env={"PAGESTREAM_METRICS_PORT": str(metrics_port)})
+    # vLLM's opt-in surface on too (request chat templates, cached_tokens, /tokenizer_info): one stack checks it all
+    serve = ServeProc(smollm2_dir, "--served-model-name", "smollm2", "--max-num-seqs", "4", "--trust-request-chat-template",
+                      "--enable-prompt-tokens-details", "--enable-tokenizer-info-endpoint",
+                      log_dir=tmp_path_factory.mktemp("serve"), env={"PAGESTREAM_METRICS_PORT": str(metrics_port)})
     try:
         serve.wait_ready()
         yield openai.OpenAI(base_url=serve.base_url, api_key="unused", max_retries=0, timeout=600)
@@ -300,13 +303,21 @@ def test_truncate_prompt_tokens_on_smollm2_keeps_the_side_asked_for_after_the_wo
     ids = tok.encode(text)
     assert len(ids) > 10
     for side, kept in (("left", ids[-6:]), ("right", ids[:6])):
+        cut = {"truncate_prompt_tokens": 6, "truncation_side": side}
         got = served.completions.create(model="smollm2", prompt=text, max_tokens=4, temperature=0.0, echo=True,
-                                        extra_body={"truncate_prompt_tokens": 6, "truncation_side": side,
-                                                    "return_token_ids": True})
+                                        extra_body={**cut, "return_token_ids": True})
         choice = got.choices[0].model_dump()
         assert got.usage.prompt_tokens == 6 and choice["prompt_token_ids"] == kept
         alone = served.completions.create(model="smollm2", prompt=kept, max_tokens=4, temperature=0.0)
-        assert choice["text"] == tok.decode(kept) + alone.choices[0].text  # echo: the kept tokens, then its answer
+        assert choice["text"] == alone.choices[0].text  # vLLM's echo with return_token_ids: no prompt text
+        # vLLM's echo of a truncated text prompt: the text as sent (its renderer cuts only the ids), whole and streamed
+        echoed = served.completions.create(model="smollm2", prompt=text, max_tokens=4, temperature=0.0, echo=True,
+                                           extra_body=cut)
+        assert echoed.choices[0].text == text + alone.choices[0].text and echoed.usage.prompt_tokens == 6
+        if side == "left":
+            chunks = served.completions.create(model="smollm2", prompt=text, max_tokens=4, temperature=0.0, echo=True,
+                                               stream=True, extra_body=cut)
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == echoed.choices[0].text
 
     whole = served.completions.create(model="smollm2", prompt=text, max_tokens=2, temperature=0.0,
                                       extra_body={"truncate_prompt_tokens": -1, "return_token_ids": True})
@@ -425,11 +436,148 @@ def test_vllms_other_endpoints_and_400s_on_smollm2(served, smollm2_dir):
     assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
 
     vocab = 49152  # SmolLM2's
-    for body, param in (({"prompt": ""}, "prompt"), ({"prompt": [[1, "a"]]}, "prompt"),
-                        ({"prompt": "x", "stop_token_ids": [vocab + 5]}, "stop_token_ids"),
-                        ({"prompt": "x", "seed": 2**63}, "seed"),
-                        ({"prompt": "x", "max_tokens": context + 1}, "max_tokens")):
-        resp = http.post("/v1/completions", json={"model": "smollm2", "max_tokens": 2, **body})
+    r = redis.Redis.from_url(DB_URL)
+    before = _lane_lengths(r)
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for path, body, param in (
+            ("/v1/completions", {"prompt": ""}, "prompt"), ("/v1/completions", {"prompt": [[1, "a"]]}, "prompt"),
+            ("/v1/completions", {"prompt": "x", "stop_token_ids": [vocab + 5]}, "stop_token_ids"),
+            ("/v1/completions", {"prompt": "x", "seed": 2**63}, "seed"),
+            ("/v1/completions", {"prompt": "x", "max_tokens": context + 1}, "max_tokens"),
+            # the served vocabulary is SmolLM2's (its worker announced it): the first id past it, and no negative id
+            ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+            ("/v1/chat/completions", {**chat, "stop_token_ids": [0, vocab]}, "stop_token_ids"),
+            ("/v1/completions", {"prompt": "x", "logit_bias": {str(vocab): 5}}, "logit_bias"),
+            ("/v1/chat/completions", {**chat, "logit_bias": {"-2": 5}}, "logit_bias"),
+            ("/v1/chat/completions", {**chat, "logit_bias": {"42": 100.5}}, "logit_bias"),
+            ("/v1/completions", {"prompt": "x", "logit_bias": {"42": -101}}, "logit_bias")):
+        resp = http.post(path, json={"model": "smollm2", "max_tokens": 2, **body})
         assert resp.status_code == 400, (body, resp.text)
         err = resp.json()["error"]
         assert err["message"] and (err["param"] or "").startswith(param.split("_")[0]), (body, err)
+        if param in ("stop_token_ids", "logit_bias"):
+            assert err["param"] == param and param in err["message"], (body, err)
+    assert _lane_lengths(r) == before  # not one job queued
+    r.close()
+
+
+#: a chat template of the request's own that reads a variable only ``chat_template_kwargs`` sets
+SHOUT = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
+         "{% if shout %}LOUDLY {% endif %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _hf_chat_ids(tok, messages, **options) -> list[int]:
+    """vLLM's chat prompt: transformers' ``apply_chat_template`` rendered to text, then encoded without special
+    tokens (the template holds them)."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_a_requests_chat_template_and_kwargs_make_the_prompt_transformers_renders_on_smollm2(served, smollm2_dir):
+    """Issue 24: vLLM's ``chat_template`` (``--trust-request-chat-template``) and ``chat_template_kwargs`` on the real
+    model: the prompt the worker ran (``return_token_ids``' prompt ids, ``usage.prompt_tokens``) is transformers'
+    ``apply_chat_template`` with the same template and kwargs; a kwarg changes it, and on SmolLM2's own template a
+    kwarg it does not read changes nothing. ``/tokenize`` takes the same options and gives the same ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    root = str(served.base_url).rstrip("/").rsplit("/v1", 1)[0]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    seen = []
+    for template, kwargs in ((SHOUT, None), (SHOUT, {"shout": True}), (None, {"shout": True})):
+        options = {**({"chat_template": template} if template else {}), **(kwargs or {})}
+        want = _hf_chat_ids(tok, msgs, **options)
+        extra = {"return_token_ids": True, **({"chat_template": template} if template else {}),
+                 **({"chat_template_kwargs": kwargs} if kwargs else {})}
+        got = served.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0, extra_body=extra)
+        assert got.model_dump()["prompt_token_ids"] == want and got.usage.prompt_tokens == len(want), options
+        tokenized = httpx.post(f"{root}/tokenize", json={"model": "smollm2", "messages": msgs, **extra}, timeout=60).json()
+        assert tokenized["tokens"] == want
+        seen.append(want)
+    assert seen[0] != seen[1] and tok.encode("LOUDLY", add_special_tokens=False)[0] in seen[1]  # the kwarg was read
+    assert seen[2] == _hf_chat_ids(tok, msgs)  # the model's template ignores what it does not read
+
+
+def test_tokenizer_endpoints_on_smollm2_answer_vllms_shapes_with_transformers_values(served, smollm2_dir):
+    """Issue 24: ``/tokenizer_info`` (``--enable-tokenizer-info-endpoint``) is vLLM's ``TokenizerInfo``: the
+    tokenizer's config (``init_kwargs``) without file paths, special tokens as their text, ``tokenizer_class`` and the
+    chat template; each value equals SmolLM2's tokenizer's own. ``/tokenize`` and ``/detokenize`` equal transformers'."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(smollm2_dir)
+    http = httpx.Client(base_url=str(served.base_url).rstrip("/").rsplit("/v1", 1)[0], timeout=60)
+    info = http.get("/tokenizer_info").json()
+    assert http.get("/tokenizer_info", params={"model": "smollm2"}).json() == info
+    assert info["tokenizer_class"] == type(hf).__name__
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        assert info[name] == getattr(hf, name), name
+    assert info["model_max_length"] == hf.model_max_length and info["chat_template"] == hf.chat_template
+    assert info["added_tokens_decoder"] == {str(i): t.content for i, t in hf.added_tokens_decoder.items()}
+    assert "vocab_file" not in info and "merges_file" not in info
+    assert http.get("/tokenizer_info", params={"model": "not-served"}).status_code == 404
+
+    prompt = "Paged attention keeps the KV cache in blocks, déjà vu!"
+    got = http.post("/tokenize", json={"model": "smollm2", "prompt": prompt, "return_token_strs": True}).json()
+    ids = hf.encode(prompt, add_special_tokens=True)
+    assert got["tokens"] == ids and got["token_strs"] == hf.convert_ids_to_tokens(ids) and got["count"] == len(ids)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV block?"}]
+    chat = http.post("/tokenize", json={"model": "smollm2", "messages": messages, "return_token_strs": True}).json()
+    chat_ids = _hf_chat_ids(hf, messages)
+    assert chat["tokens"] == chat_ids and chat["token_strs"] == hf.convert_ids_to_tokens(chat_ids)
+    assert http.post("/detokenize", json={"model": "smollm2", "tokens": ids}).json() == {"prompt": hf.decode(ids)}
+    http.close()
+
+
+def test_cached_tokens_on_smollm2_as_vllm_reports_them_whole_and_streamed(served, llm):
+    """Issue 24: ``usage.prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``) on completions and
+    chat, whole and in a stream's usage chunk: absent (null) for a request that hit nothing, as vLLM's serving code
+    leaves it (``if enable_prompt_tokens_details and num_cached_tokens``); after the same prompt ran, the prompt's
+    whole 16-token blocks but the last token's."""
+    tok = llm.get_tokenizer()
+    prefix = f"Session {uuid.uuid4().hex[:8]}. Facts: red squares, blue circles, green triangles, yellow stars, " \
+             "purple hexagons and orange diamonds."
+    prompt = prefix + " Which shape is blue?"
+    n = len(tok.encode(prompt))
+    assert n > 32
+    kw = dict(model="smollm2", prompt=prompt, max_tokens=1, temperature=0)
+    miss = served.completions.create(**kw)
+    assert miss.usage.prompt_tokens == n and miss.usage.prompt_tokens_details is None
+    whole = served.completions.create(**kw)
+    assert whole.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    streamed = list(served.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].choices == [] and streamed[-1].usage.model_dump() == whole.usage.model_dump()
+
+    msgs = [{"role": "system", "content": prefix}, {"role": "user", "content": "Which shape is green?"}]
+    kw = dict(model="smollm2", messages=msgs, max_tokens=1, temperature=0)
+    miss = served.chat.completions.create(**kw)
+    assert miss.usage.prompt_tokens_details is None
+    whole = served.chat.completions.create(**kw)
+    assert whole.usage.prompt_tokens_details.cached_tokens == (whole.usage.prompt_tokens - 1) // 16 * 16
+    streamed = list(served.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].choices == [] and streamed[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_chat_stream_options_on_smollm2_count_what_the_whole_request_counts(served):
+    """Issue 24: chat's ``stream_options`` on the real model. ``include_usage``: one last chunk, no choices, with the
+    usage the same request not streamed has; ``continuous_usage_stats`` too: every chunk carries the prompt's size and
+    the tokens so far (vLLM's role chunk: 0), ending at the whole request's count."""
+    msgs = [{"role": "user", "content": "Count from one to five."}]
+    kw = dict(model="smollm2", messages=msgs, max_tokens=6, temperature=0)
+    whole = served.chat.completions.create(**kw)
+
+    def counts(u):
+        return u.prompt_tokens, u.completion_tokens, u.total_tokens
+
+    only = list(served.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert [c.usage is None for c in only] == [True] * (len(only) - 1) + [False] and only[-1].choices == []
+    assert counts(only[-1].usage) == counts(whole.usage)
+    assert "".join(c.choices[0].delta.content or "" for c in only if c.choices) == whole.choices[0].message.content
+
+    every = list(served.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True,
+                                                                                 "continuous_usage_stats": True}))
+    assert every[-1].choices == [] and counts(every[-1].usage) == counts(whole.usage)
+    running = [c.usage for c in every if c.choices]
+    assert running and all(u is not None and u.prompt_tokens == whole.usage.prompt_tokens for u in running)
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in running)
+    done = [u.completion_tokens for u in running]
+    assert done == sorted(done) and done[0] == 0 and done[-1] == whole.usage.completion_tokens

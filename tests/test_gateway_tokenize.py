@@ -1,6 +1,7 @@
 """Issue 24, vLLM's tokenizer endpoints (``/tokenize``, ``/detokenize``, ``/tokenizer_info``), answered by the
 worker's tokenizer through Redis: a real Redis, gateway processes and a worker running the fake engine (whose
-tokenizer the tests reproduce in-process); one slow test compares SmolLM2's answers with transformers'."""
+tokenizer the tests reproduce in-process). SmolLM2's answers against transformers' are checked on the shared SmolLM2
+stack (``test_gateway_smollm2.py``, ``test_tokenizer_endpoints_on_smollm2_answer_vllms_shapes_with_transformers_values``)."""
 from __future__ import annotations
 
 import time
@@ -9,7 +10,7 @@ import httpx
 import pytest
 import redis
 
-from gateway_helpers import DB_URL, GatewayProc, ServeProc
+from gateway_helpers import DB_URL, GatewayProc
 from pagestream.producer import Producer
 from pagestream.worker.fake_engine import FakeTokenizer
 from pagestream.worker.routing import announce
@@ -134,30 +135,3 @@ def test_the_worker_skips_malformed_and_expired_calls_and_keeps_answering(stack)
     resp = stack["http"].post("/tokenize", json={"model": MODEL, "prompt": "still here"})
     assert resp.status_code == 200 and resp.json()["count"] == 3
     assert r.llen(keys.tokenizer_calls(MODEL)) == 0 and not r.exists(keys.tokenizer_reply(late.id))
-
-
-@pytest.mark.slow
-def test_smollm2_tokenize_and_detokenize_equal_transformers_tokenizer(smollm2_dir, tmp_path):
-    from transformers import AutoTokenizer
-
-    hf = AutoTokenizer.from_pretrained(smollm2_dir)
-    serve = ServeProc(smollm2_dir, "--served-model-name", "smollm2", "--max-num-seqs", "2", log_dir=tmp_path)
-    try:
-        http = httpx.Client(base_url=f"http://127.0.0.1:{serve.port}", timeout=60)
-        serve.wait_ready()
-        prompt = "Paged attention keeps the KV cache in blocks, déjà vu!"
-        got = http.post("/tokenize", json={"model": "smollm2", "prompt": prompt, "return_token_strs": True}).json()
-        ids = hf.encode(prompt, add_special_tokens=True)
-        assert got["tokens"] == ids and got["token_strs"] == hf.convert_ids_to_tokens(ids) and got["count"] == len(ids)
-
-        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV block?"}]
-        chat = http.post("/tokenize", json={"model": "smollm2", "messages": messages, "return_token_strs": True}).json()
-        text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        chat_ids = hf.encode(text, add_special_tokens=False)
-        assert chat["tokens"] == chat_ids and chat["token_strs"] == hf.convert_ids_to_tokens(chat_ids)
-
-        back = http.post("/detokenize", json={"model": "smollm2", "tokens": ids}).json()
-        assert back == {"prompt": hf.decode(ids)}
-        http.close()
-    finally:
-        assert serve.stop() == 0, serve.log()[-3000:]

@@ -142,19 +142,29 @@ def test_truncate_prompt_tokens_keeps_the_side_asked_for(stack):
 
 
 def test_truncate_prompt_tokens_cuts_a_text_prompt_and_a_chat_after_the_workers_tokenizer(stack):
-    """The worker tokenizes a text prompt (a chat: its template applied) and keeps the side asked for; usage,
-    ``return_token_ids`` and ``echo`` show what it kept."""
+    """The worker tokenizes a text prompt (a chat: its template applied) and keeps the side asked for; usage and
+    ``return_token_ids`` show what it kept. ``echo`` is vLLM's: the prompt's text as sent (vLLM's renderer keeps the
+    text and cuts only the ids), whole and streamed; none with ``return_token_ids``."""
     c, fake = stack["client"], FakeEngine()
     words = "one two three four five six"
     ids = fake.tokenizer.encode(words)
     for side, kept, kept_words in (("left", ids[-3:], "four five six"), ("right", ids[:3], "one two three")):
+        cut = {"truncate_prompt_tokens": 3, "truncation_side": side}
         got = c.completions.create(model=MODEL, prompt=words, max_tokens=2, seed=4, echo=True,
-                                   extra_body={"truncate_prompt_tokens": 3, "truncation_side": side,
-                                               "return_token_ids": True})
+                                   extra_body={**cut, "return_token_ids": True})
         choice = got.model_dump()["choices"][0]
         assert choice["prompt_token_ids"] == kept and got.usage.prompt_tokens == 3
-        # echo: the kept tokens as the worker names them; the sample: that of the kept prompt alone
-        assert choice["text"] == fake.tokenizer.decode(kept) + fake.expected_text(kept_words, 4, 2)
+        # the sample: that of the kept prompt alone; echo with return_token_ids: no prompt text (vLLM's)
+        assert choice["text"] == fake.expected_text(kept_words, 4, 2)
+        echoed = c.completions.create(model=MODEL, prompt=words, max_tokens=2, seed=4, echo=True, extra_body=cut)
+        assert echoed.choices[0].text == words + fake.expected_text(kept_words, 4, 2)  # the text as sent
+        assert echoed.usage.prompt_tokens == 3
+        streamed = c.completions.create(model=MODEL, prompt=words, max_tokens=2, seed=4, echo=True, stream=True,
+                                        extra_body=cut)
+        assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == echoed.choices[0].text
+        with_ids = c.completions.create(model=MODEL, prompt=words, max_tokens=2, seed=4, echo=True, stream=True,
+                                        extra_body={**cut, "return_token_ids": True})
+        assert "".join(ch.choices[0].text for ch in with_ids if ch.choices) == choice["text"]
     messages = [{"role": "user", "content": "a chat cut to its last tokens"}]
     rendered = fake.tokenizer.apply_chat_template(messages, tokenize=True)
     chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
@@ -176,6 +186,26 @@ def test_continuous_usage_stats_count_tokens_on_every_chunk(stack):
     # vLLM's: every chunk's usage has the prompt's size (the job's first event brings it), not 0
     assert all(u.prompt_tokens == 2 and u.total_tokens == 2 + u.completion_tokens for u in usages)
     assert chunks[-1].usage.prompt_tokens == 2
+
+
+def test_a_chat_streams_continuous_usage_starts_with_the_role_chunk(stack):
+    """vLLM's chat stream with ``continuous_usage_stats``: the role chunks (one per choice) and chat echo's chunks
+    carry the prompt's size and 0 tokens; every chunk after them its choice's tokens so far; the usage chunk last."""
+    c = stack["client"]
+    messages = [{"role": "user", "content": "count along"}, {"role": "assistant", "content": "one two"}]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, seed=2, n=2)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, seed=2, n=2, stream=True,
+                                            extra_body={"echo": True}, stream_options={"include_usage": True,
+                                                                                       "continuous_usage_stats": True}))
+    size = whole.usage.prompt_tokens
+    assert [(ch.choices[0].delta.role, ch.usage.completion_tokens) for ch in chunks[:2]] == [("assistant", 0)] * 2
+    assert [(ch.choices[0].delta.content, ch.usage.completion_tokens) for ch in chunks[2:4]] == [("one two", 0)] * 2
+    assert all(ch.usage is not None and ch.usage.prompt_tokens == size for ch in chunks)
+    counted: dict[int, list[int]] = {}
+    for ch in chunks[:-1]:
+        counted.setdefault(ch.choices[0].index, []).append(ch.usage.completion_tokens)
+    assert all(v == sorted(v) and v[-1] == 4 for v in counted.values()) and sorted(counted) == [0, 1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 8
 
 
 def test_a_stream_with_return_token_ids_gives_each_choice_its_prompts_ids_once(stack):
@@ -209,6 +239,10 @@ def test_a_stream_with_return_token_ids_gives_each_choice_its_prompts_ids_once(s
     ({"prompt": "x", "logit_bias": {"x": 1.0}}, "logit_bias"),
     ({"prompt": "x", "seed": 2**63}, "seed"),
     ({"prompt": "x", "logit_bias": {"5": 101.0}}, "logit_bias"),  # OpenAI's range: [-100, 100]
+    ({"prompt": "x", "logit_bias": {"5": -100.5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"50001": 1.0}}, "logit_bias"),  # the fake's vocabulary: ids below 50,001
+    ({"prompt": "x", "stop_token_ids": [50_001]}, "stop_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [1, 99_999]}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     # vLLM's checks of prompt logprobs; their values come with the result, so not on a stream
@@ -224,6 +258,29 @@ def test_bad_inputs_answer_400_with_the_reason_before_any_worker_step(stack, bod
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["message"] and (err["param"] or "").startswith(param.split("_")[0]), err
+    assert _lane_lengths(r) == before
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [7, 50_001]}, "stop_token_ids"),
+    ({"logit_bias": {"50001": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"-3": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"5": -101}}, "logit_bias"),
+])
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_bad_stop_token_ids_and_logit_bias_are_a_400_naming_the_field_before_anything_is_queued(stack, path, body, param):
+    """Issue 24: negative or out-of-vocabulary ``stop_token_ids``, ``logit_bias`` keys outside the vocabulary and
+    values outside OpenAI's [-100, 100], on both endpoints: a 400 whose message and ``param`` name the field, and
+    the model's lanes as they were (no job queued)."""
+    r = stack["r"]
+    before = _lane_lengths(r)
+    prompt = {"prompt": "x"} if path == "/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    resp = httpx.post(stack["gw"].base_url + path, json={"model": MODEL, "max_tokens": 2, **prompt, **body}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and param in err["message"], err
     assert _lane_lengths(r) == before
 
 

@@ -26,7 +26,8 @@ from typing import IO, Optional
 import typer
 
 from pagestream.producer.gateway.cli import (ApiKeys, EnableAutoToolChoice, Host, MaxQueueDepth, Port, RedisUrl, ToolCallParser,
-                                            TrustRequestChatTemplate, EnablePromptTokensDetails, gateway_settings)
+                                            TrustRequestChatTemplate, EnablePromptTokensDetails,
+                                            EnableTokenizerInfoEndpoint, gateway_settings)
 from pagestream.producer.protocol.redaction import install_log_redaction, redact_url
 from pagestream.worker.engine_options import engine_flags, with_engine_options
 from pagestream.worker.readiness import wait_ready
@@ -99,6 +100,7 @@ def serve(
     tool_call_parser: Optional[str] = ToolCallParser,
     trust_request_chat_template: bool = TrustRequestChatTemplate,
     enable_prompt_tokens_details: bool = EnablePromptTokensDetails,
+    enable_tokenizer_info_endpoint: bool = EnableTokenizerInfoEndpoint,
     files_uri: Optional[str] = typer.Option(None, "--files-uri", envvar="PAGESTREAM_GATEWAY_FILES_URI", show_envvar=True,
                                             show_default="~/.cache/pagestream/files",
                                             help="where /v1/files keeps uploads and batch outputs (a directory or s3://bucket/prefix)"),
@@ -131,7 +133,8 @@ def serve(
     if redis_url is None:
         redis_url, embedded = ensure_redis(announce=False)
     settings = gateway_settings(redis_url, host, port, api_keys, max_queue_depth, enable_auto_tool_choice,
-                                tool_call_parser, trust_request_chat_template, enable_prompt_tokens_details)
+                                tool_call_parser, trust_request_chat_template, enable_prompt_tokens_details,
+                                enable_tokenizer_info_endpoint)
     if files_uri:
         settings.files_uri = files_uri
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

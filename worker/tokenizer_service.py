@@ -35,19 +35,41 @@ def _json_able(value: Any) -> bool:
         isinstance(value, dict) and all(isinstance(k, str) and _json_able(v) for k, v in value.items()))
 
 
+def _plain(value: Any) -> Any:
+    """A tokenizer config value as vLLM's ``/tokenizer_info`` writes it: a special token (``AddedToken``) as its
+    text, dicts and lists item by item (a dict's int keys, ``added_tokens_decoder``'s, as JSON writes them)."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k) if isinstance(k, int) else k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def tokenizer_info(tokenizer) -> dict[str, Any]:
+    """vLLM's ``/tokenizer_info`` body (``serve/tokenize/serving.py``, ``TokenizerInfo``): the tokenizer's
+    ``init_kwargs`` (its tokenizer_config.json) without the file paths (``vocab_file``, ``merges_file``), special
+    tokens as their text, ``tokenizer_class`` the tokenizer's class name and ``chat_template`` the template the
+    worker renders chats with. A value JSON cannot hold is left out (vLLM would fail the whole answer)."""
+    init = dict(getattr(tokenizer, "init_kwargs", None) or {})
+    init.pop("vocab_file", None)
+    init.pop("merges_file", None)
+    info = {k: v for k, v in _plain(init).items() if _json_able(v)}
+    info["tokenizer_class"] = type(tokenizer).__name__
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        info["chat_template"] = template
+    return info
+
+
 def answer(tokenizer, call: TokenizerCall) -> dict[str, Any]:
     """The result of ``call`` with ``tokenizer``; ``ValueError`` (or the tokenizer's own error) for a bad call."""
     a = call.args
     if call.op is TokenizerOp.DETOKENIZE:
         return {"prompt": tokenizer.decode(_ids(a.get("tokens")))}
     if call.op is TokenizerOp.INFO:
-        init = getattr(tokenizer, "init_kwargs", {}) or {}
-        info = {k: v for k, v in init.items() if _json_able(v)}
-        info["tokenizer_class"] = type(tokenizer).__name__
-        template = getattr(tokenizer, "chat_template", None)
-        if isinstance(template, str):
-            info["chat_template"] = template
-        return info
+        return tokenizer_info(tokenizer)
     if call.op is TokenizerOp.TOKENIZE_CHAT:
         # vLLM renders the template to text, then encodes it (add_special_tokens defaults to false: the
         # template already holds the special tokens)

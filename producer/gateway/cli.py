@@ -34,19 +34,25 @@ EnablePromptTokensDetails = typer.Option(False, "--enable-prompt-tokens-details"
                                          envvar="PAGESTREAM_GATEWAY_ENABLE_PROMPT_TOKENS_DETAILS", show_envvar=True,
                                          help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from "
                                               "the prefix cache (vLLM's flag)")
+EnableTokenizerInfoEndpoint = typer.Option(False, "--enable-tokenizer-info-endpoint",
+                                           envvar="PAGESTREAM_GATEWAY_ENABLE_TOKENIZER_INFO_ENDPOINT", show_envvar=True,
+                                           help="answer GET /tokenizer_info: the tokenizer's configuration, chat "
+                                                "template included (vLLM's flag; 404 otherwise)")
 
 
 def gateway_settings(redis_url: str, host: str, port: int, api_keys: str | None, max_queue_depth: int | None,
                      enable_auto_tool_choice: bool | None = None, tool_call_parser: str | None = None,
                      trust_request_chat_template: bool | None = None,
-                     enable_prompt_tokens_details: bool | None = None):
+                     enable_prompt_tokens_details: bool | None = None,
+                     enable_tokenizer_info_endpoint: bool | None = None):
     """``GatewaySettings`` from the environment with the command line's options on top."""
     from pagestream.producer.gateway.settings import GatewaySettings
 
     fields = {"redis_url": redis_url, "host": host, "port": port, "api_keys": api_keys, "max_queue_depth": max_queue_depth,
               "enable_auto_tool_choice": enable_auto_tool_choice, "tool_call_parser": tool_call_parser,
               "trust_request_chat_template": trust_request_chat_template,
-              "enable_prompt_tokens_details": enable_prompt_tokens_details}
+              "enable_prompt_tokens_details": enable_prompt_tokens_details,
+              "enable_tokenizer_info_endpoint": enable_tokenizer_info_endpoint}
     return GatewaySettings(**{k: v for k, v in fields.items() if v is not None})
 
 
@@ -60,6 +66,7 @@ def gateway(
     tool_call_parser: Optional[str] = ToolCallParser,
     trust_request_chat_template: bool = TrustRequestChatTemplate,
     enable_prompt_tokens_details: bool = EnablePromptTokensDetails,
+    enable_tokenizer_info_endpoint: bool = EnableTokenizerInfoEndpoint,
     log_level: str = typer.Option("INFO", "--log-level", envvar="PAGESTREAM_LOG_LEVEL", show_envvar=True, help="DEBUG | INFO | WARNING | ERROR"),
 ) -> None:
     """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) over the queue."""
@@ -68,6 +75,7 @@ def gateway(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
     settings = gateway_settings(resolve_url(redis_url), host, port, api_keys, max_queue_depth, enable_auto_tool_choice,
-                                tool_call_parser, trust_request_chat_template, enable_prompt_tokens_details)
+                                tool_call_parser, trust_request_chat_template, enable_prompt_tokens_details,
+                                enable_tokenizer_info_endpoint)
     print(f"gateway on http://{settings.host}:{settings.port}/v1 (redis {redact_url(settings.redis_url)})", flush=True)
     run(settings)

@@ -128,18 +128,26 @@ class OpenAIRequest(BaseModel):
         raise NotImplementedError
 
     def logit_bias_ids(self) -> list[int]:
-        """``logit_bias``'s keys as token ids (400 for a key that is not one), for the vocabulary check."""
+        """``logit_bias``'s keys as token ids for the vocabulary check; 400 naming the field for a key that is not a
+        token id (not an integer, or negative) and for a value outside OpenAI's [-100, 100]."""
         ids = []
-        for key in self.logit_bias or {}:
+        for key, value in (self.logit_bias or {}).items():
             try:
                 ids.append(int(key))
             except ValueError:
                 raise RequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if ids[-1] < 0:
+                raise RequestError(f"token_id(s) [{ids[-1]}] in logit_bias contain out-of-vocab token ids "
+                                   "(a token id is not negative)", param="logit_bias")
+            if not -100 <= value <= 100:
+                raise RequestError(f"logit_bias values must be in [-100, 100], got {value} for token {key}",
+                                   param="logit_bias")
         return ids
 
     def to_jobs(self, job_ids: list[str]) -> list[JobRequest]:
         """The jobs this request becomes (raises ``pydantic.ValidationError`` for out-of-range values)."""
         self.refuse_unsupported()
+        self.logit_bias_ids()  # its 400s name the field, before the job schema's (``logit_bias.5``)
         common = {"model": self.model, **self.sampling(), **self.structured_fields(),
                   "return_prompt_token_ids": self.return_token_ids}
         if self.truncate_prompt_tokens is not None:  # the side means nothing without a count
@@ -183,9 +191,11 @@ class CompletionRequest(OpenAIRequest):
         return len(self.prompts())
 
     def echoes_tokens(self, prompt: str | list[int]) -> bool:
-        """Whether ``echo`` shows the prompt's kept tokens as the worker names them (a token-id prompt, or a text
-        prompt the worker truncates) rather than the prompt's text as sent."""
-        return not isinstance(prompt, str) or self.truncate_prompt_tokens is not None
+        """Whether ``echo`` shows the prompt's tokens as the worker names them (a token-id prompt) rather than the
+        prompt's text as sent. vLLM echoes a text prompt as sent even when ``truncate_prompt_tokens`` cut its ids
+        (its renderer keeps the text and cuts only ``prompt_token_ids``), and echoes no prompt text at all with
+        ``return_token_ids`` (the ids are in ``prompt_token_ids``; it does not detokenize them)."""
+        return not isinstance(prompt, str) and not self.return_token_ids
 
     @property
     def echo_only(self) -> bool:

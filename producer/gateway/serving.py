@@ -446,8 +446,12 @@ class OpenAIServing:
         last_id = event_id(job_ids[0], resume_from or 0)  # the last event's id (error, usage and [DONE] repeat it)
         try:
             chunk_of = await self.chunker(req, rid, created, job_ids, resume_from)
-            for opening in self.opening_chunks(req, rid, created) if resume_from is None else ():
-                yield opening, last_id
+            openings = self.opening_chunks(req, rid, created) if resume_from is None else []
+            if not req.continuous_usage:
+                for opening in openings:
+                    yield opening, last_id
+                openings = []
+            # else vLLM's: they wait for the job's first event, whose prompt size their usage carries (0 tokens so far)
             text_offset: dict[int, int] = {}  # per choice: completions' text_offset of its next token
             generated: dict[int, int] = {}  # per choice: tokens so far (continuous_usage_stats)
             first_token: dict[int, float] = {}  # per prompt: when its first token reached the gateway (vllm: metrics)
@@ -499,6 +503,12 @@ class OpenAIServing:
                     prompt_size.setdefault(p, ev.prompt_tokens)
                 if ev.prompt_token_ids is not None:
                     prompt_ids.setdefault(p, ev.prompt_token_ids)
+                if openings:
+                    size = prompt_size.get(p, 0)
+                    for opening in openings:
+                        opening["usage"] = {"prompt_tokens": size, "completion_tokens": 0, "total_tokens": size}
+                        yield opening, last_id
+                    openings = []
                 if ev.token_ids:
                     last_token[p] = time.time()
                     first_token.setdefault(p, last_token[p])

@@ -10,8 +10,11 @@ from pagestream.producer.protocol.schema import JobResult, SampleResult, TokenLo
 
 
 def echo_text(req: CompletionRequest, prompt: str | list[int], prompt_lps: list[TokenLogprob]) -> str:
-    """The text ``echo`` leads a choice with: the prompt's, or the kept tokens' of a token-id or truncated prompt
-    (the worker named them in the prompt's logprobs)."""
+    """The text ``echo`` leads a choice with, as vLLM's ``serving_completion`` picks it: none with
+    ``return_token_ids``; a text prompt as sent (truncated or not); a token-id prompt's tokens as the worker named
+    them in the prompt's logprobs."""
+    if req.return_token_ids:
+        return ""
     return "".join(t.token for t in prompt_lps) if req.echoes_tokens(prompt) else prompt
 
 

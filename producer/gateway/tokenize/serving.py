@@ -158,7 +158,7 @@ class OpenAIServingTokenization:
         """vLLM's ``/tokenizer_info`` (only when enabled: 404 otherwise): the tokenizer's class and configuration.
         ``?model=`` picks the model; without it, the one model served."""
         if not self.state.settings.enable_tokenizer_info_endpoint:
-            raise GatewayError(404, "Not Found: /tokenizer_info is disabled (enable_tokenizer_info_endpoint)",
+            raise GatewayError(404, "Not Found: /tokenizer_info is disabled (start the gateway with --enable-tokenizer-info-endpoint)",
                                code="not_found")
         if model is None:
             served = sorted(await self.state.models.served())
