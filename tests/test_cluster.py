@@ -105,6 +105,9 @@ def test_a_submit_retried_after_a_crash_between_its_steps_runs_the_job_once(clus
     assert p.result("crash-2", timeout=5).status == JobStatus.COMPLETED
     events = [f for _, f in r.xrange(keys.out_stream("crash-1"))]
     assert sum(1 for f in events if f.get(b"type") == b"end") == 1  # it ran once: one end entry
+    # the firehose (its own hash slot, written in the same flushes): one start, one first token, one end, in order
+    fired = [f[b"type"] for _, f in r.xrange(keys.events_stream()) if f.get(b"job") == b"crash-1"]
+    assert [t for t in fired if t != b"queued"] == [b"started", b"first_token", b"finished"], fired
     assert sorted(added) == ["crash-1", "crash-2"]  # the stray entry never reached the engine
     assert lane_group(r, "normal")["pending"] == 0
 

@@ -139,6 +139,9 @@ def test_the_page_matches_redis_and_updates_live(stack, browser, shots, tmp_path
     mine = producer.submit(prompt="alice's", model=MODEL, max_tokens=3, metadata={"tenant": "alice"}, lane="high")
     wait_for(lambda: mine in _cells(d, "#jobs td.job"), 60, "alice's finished job on the page")
     assert d.find_element(By.CSS_SELECTOR, f'#jobs tr[data-job="{mine}"] td.outcome').text == "length"
+    # its first token reached the latency chart: the first-token series has a point (the workers' first_token events)
+    wait_for(lambda: int(d.find_element(By.ID, "chart-latency").get_attribute("data-ttft-points") or 0) >= 1, 10,
+             "a point on the first-token latency chart")
 
     # a queue: 12 long jobs on 2 engine slots drain for ~15 s; the page's depth is Redis's (it refreshes every 2 s)
     for i in range(12):

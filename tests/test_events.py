@@ -24,7 +24,7 @@ def workers(tmp_path):
         w.stop(timeout=10)
 
 
-def test_a_job_that_runs_reports_queued_started_finished_in_order(r, redis_url, producer, workers):
+def test_a_job_that_runs_reports_queued_started_first_token_finished_in_order(r, redis_url, producer, workers):
     w = workers(redis_url, "fake:1", "ev-a")
     w.wait_ready(60)
     other = producer.submit(prompt="someone else", max_tokens=3, seed=1)
@@ -34,10 +34,10 @@ def test_a_job_that_runs_reports_queued_started_finished_in_order(r, redis_url, 
         seen.append(ev)
         if ev.type == EventType.FINISHED:
             break
-    assert [e.type for e in seen] == [EventType.QUEUED, EventType.STARTED, EventType.FINISHED]
+    assert [e.type for e in seen] == [EventType.QUEUED, EventType.STARTED, EventType.FIRST_TOKEN, EventType.FINISHED]
     assert {e.job for e in seen} == {job}
     assert [e.id for e in seen] == sorted([e.id for e in seen], key=lambda i: tuple(map(int, i.split("-"))))
-    queued, started, finished = seen
+    queued, started, first, finished = seen
     assert queued.fields["lane"] == "normal" and queued.fields["model"] == ""  # no model asked: any worker
     assert started.fields["worker"] == "ev-a" and started.fields["deliveries"] == "1"
     res = producer.result(job, timeout=30)
@@ -45,10 +45,17 @@ def test_a_job_that_runs_reports_queued_started_finished_in_order(r, redis_url, 
     assert finished.fields["tokens"] == str(res.completion_tokens) == "5"
     assert finished.fields["finish_reason"] == res.finish_reason
     assert float(finished.fields["run_s"]) >= 0 and float(finished.fields["queue_s"]) >= 0
+    # the first token: after the start, before the end; its latency counts from the submit, within the job's whole time
+    assert first.fields["worker"] == "ev-a" and started.ts <= first.ts <= finished.ts
+    ttft, total = float(first.fields["ttft_s"]), float(finished.fields["queue_s"]) + float(finished.fields["run_s"])
+    assert 0 < ttft <= total + 1e-5, (ttft, total)
+    assert ttft >= float(finished.fields["queue_s"]) - 1e-5  # it waited in the queue before its first token
+    assert abs(first.ts - ttft - res.created_at) < 1e-3  # ts minus ttft: the submit time
     # the other job's events are there too, unfiltered; a type filter keeps only that type
     producer.result(other, timeout=30)
     assert {e.job for e in producer.events()} == {job, other}
     assert [e.job for e in producer.events(types=["finished"])].count(job) == 1
+    assert [e.job for e in producer.events(types=["first_token"])].count(job) == 1  # one per job, not one per token
 
 
 def test_cancel_while_queued_reports_cancelled_and_from_now_skips_the_past(r, producer):
@@ -110,8 +117,11 @@ def test_cancel_while_running_reports_cancelled_from_the_worker(r, redis_url, pr
             assert producer.cancel(job) == JobStatus.RUNNING
         if ev.type in (EventType.CANCELLED, EventType.FINISHED, EventType.FAILED):
             break
-    assert seen == [EventType.QUEUED, EventType.STARTED, EventType.CANCELLED]
-    assert producer.result(job, timeout=30).status == JobStatus.CANCELLED
+    res = producer.result(job, timeout=30)
+    assert res.status == JobStatus.CANCELLED
+    # a first token only if one was made before the cancel landed (then between the start and the end)
+    first = [EventType.FIRST_TOKEN] if res.completion_tokens else []
+    assert seen == [EventType.QUEUED, EventType.STARTED, *first, EventType.CANCELLED], (seen, res.completion_tokens)
 
 
 def test_a_poison_entry_is_reported_dead_lettered(r, redis_url, producer, workers):

@@ -162,6 +162,10 @@ def test_kill9_worker_loses_nothing_and_seeded_jobs_resume_exactly(r, redis_url,
         assert [t for e in evs for t in e.token_ids] == res.token_ids
     for res in resumed:
         assert res.worker == "crash-b" and res.deliveries >= 2
+    # one first_token event per job: a job resumed after tokens were published gets none from its re-run
+    for jid, res in results.items():
+        firsts = [e.fields["worker"] for e in producer.events(job=jid, types=["first_token"])]
+        assert firsts == ["crash-a" if res.resumed_from else res.worker], (jid, firsts, res.resumed_from)
     assert pending_of(r).get("crash-a", 0) == 0
 
 
@@ -308,3 +312,5 @@ def test_cold_stop_on_second_sigterm_hands_jobs_back_and_they_resume(r, redis_ur
         res = producer.result(s["job_id"], timeout=30)
         assert res.status == JobStatus.COMPLETED and res.worker == "cold-b" and res.resumed_from > 0
         assert res.text == fake.expected_text(s["prompt"], s["seed"], 150) == assert_contiguous(r, s["job_id"])
+        # its first token came from the stopped worker; the resumed run writes no second first_token event
+        assert [e.fields["worker"] for e in producer.events(job=s["job_id"], types=["first_token"])] == ["cold-a"]

@@ -154,12 +154,12 @@ def test_every_event_of_1000_jobs_reaches_a_flaky_receiver_once_across_a_kill_9(
         left_pending = _pending_of(r, "hooks").get("hook-a", 0)
         assert left_pending > 0  # it died holding events it had read but not yet delivered
 
-        # every job runs to its end; the stream then holds each job's queued, started, finished
+        # every job runs to its end; the stream then holds each job's queued, started, first_token, finished
         for j in jobs:
             producer.result(j, timeout=60)
         entries = {ev.id: ev.fields for ev in producer.events()}
         stream_ids = list(entries)
-        assert len(stream_ids) == 3000
+        assert len(stream_ids) == 4000
         assert at_kill < len(stream_ids), "the kill came after everything was delivered: not midway"
 
         # another consumer of the group takes over what the dead one left pending (XAUTOCLAIM) and goes on
@@ -179,8 +179,8 @@ def test_every_event_of_1000_jobs_reaches_a_flaky_receiver_once_across_a_kill_9(
         # each body is its stream entry; every job's events arrived
         assert all(recorded[i]["data"] == entries[i] and recorded[i]["id"] == i for i in stream_ids)
         per_job = Counter(b["data"]["job"] for b in recorded.values())
-        assert per_job == Counter({j: 3 for j in jobs})
-        assert {b["type"] for b in recorded.values()} == {"queued", "started", "finished"}
+        assert per_job == Counter({j: 4 for j in jobs})
+        assert {b["type"] for b in recorded.values()} == {"queued", "started", "first_token", "finished"}
     finally:
         receiver.close()
 

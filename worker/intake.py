@@ -250,7 +250,9 @@ class Intake:
             self.jobs.start(a)
             n -= 1
             if not a.is_bulk:
-                ops.append(Start(a.job_id, self.settings.consumer, a.started_at, a.delivery.deliveries, a.job.result_ttl_s))
+                ops.append(Start(a.job_id, self.settings.consumer, a.started_at, a.delivery.deliveries, a.job.result_ttl_s,
+                                 created_at=a.job.created_at, model=self.settings.served_model_name or self.settings.model,
+                                 first_token=not a.tokens_published))
         self.put(ops)
         if skipped:
             self.bulk.record_skipped(skipped)

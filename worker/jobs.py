@@ -47,6 +47,7 @@ class ActiveJob:
     prompt_logprobs_streamed: bool = False  # on a token event already (a job with stream_prompt_logprobs)
     first_delta_sent: bool = False  # the prompt's size (and ids, if asked) went with it
     has_job_hash: bool = False  # the submit left a job hash (bulk jobs from the orchestrator have one)
+    tokens_published: bool = False  # an earlier delivery published tokens (load_history): no first_token event now
     # copied out of the job: read for every delta of every step
     job_id: str = field(init=False)
     is_bulk: bool = field(init=False)
@@ -105,6 +106,7 @@ def load_history(client: redis.Redis, jobs: list[ActiveJob]) -> None:
             s.text.append(ev.text)
             if ev.logprobs is not None:  # as published: the re-run reports logprobs only for tokens after these
                 s.logprobs.extend(lp.model_dump() for lp in ev.logprobs)
+        a.tokens_published = any(s.token_ids for s in a.samples.values())
         if a.job.sampling.n == 1 and a.samples.get(0) and a.samples[0].token_ids:
             a.resume = list(a.samples[0].token_ids)
         else:

@@ -6,7 +6,9 @@ coalescing each (job, sample)'s consecutive deltas into one event whose token
 index is that of its first token. One flush is one MULTI/EXEC transaction:
 token events, then start markers, final results + status hashes + TTLs, end
 events, XACKs and dead letters, so a job's last tokens, its result and its ack
-become visible together or not at all. On Redis Cluster a flush is one atomic script per
+become visible together or not at all. A job's first token entry (index 0) takes
+its ``first_token`` firehose event into the same flush (after the job's ``started``
+event, before its final one). On Redis Cluster a flush is one atomic script per
 hash slot, then the acks (``worker.slot_batch``): a job's tokens, result and end entry stay
 together, and its ack follows them.
 """
@@ -23,7 +25,8 @@ import redis
 
 from pagestream.producer.protocol import job as job_hash
 from pagestream.producer.protocol import keys
-from pagestream.producer.protocol.events import EventType, event_fields, events_maxlen, final_event_fields, queue_event
+from pagestream.producer.protocol.events import (EventType, event_fields, events_maxlen, final_event_fields,
+                                                 first_token_fields, queue_event)
 from pagestream.producer.protocol.redis_conn import Backoff, is_cluster
 from pagestream.producer.protocol.schema import JobResult, JobStatus
 from pagestream.producer.protocol.wire import end_fields, token_event_fields
@@ -50,6 +53,7 @@ class Delta:
     prompt_logprobs: list[list] | None = None  # the same per prompt token: a job's first delta (stream_prompt_logprobs)
     prompt_tokens: int | None = None  # the prompt's size, on a job's first delta
     prompt_token_ids: list[int] | None = None  # on a job's first delta too, for a job with return_prompt_token_ids
+    at: float | None = None  # a sample's first delta (index 0): when the engine handed its first token over
 
 
 @dataclass(slots=True)
@@ -62,6 +66,8 @@ class _Flush:
     acked: list[tuple[str, str]] = field(default_factory=list)
     to_ack: dict[str, list[str]] = field(default_factory=dict)
     done: dict[str, int] = field(default_factory=dict)
+    first_tokens: dict[str, dict[str, str]] = field(default_factory=dict)  # job_id -> its first_token event, to queue
+    settled: list[str] = field(default_factory=list)  # jobs whose first_token is written (or due no more) once this lands
 
     def ack(self, lane: str, entry_ids: list[str]) -> None:
         self.to_ack.setdefault(lane, []).extend(entry_ids)
@@ -75,10 +81,18 @@ class Start:
     started_at: float
     deliveries: int
     result_ttl_s: int = 24 * 3600
+    created_at: float | None = None  # when the job was submitted: ``first_token``'s ttft counts from it (else from start)
+    model: str | None = None  # the model the worker serves, on the ``first_token`` event
+    first_token: bool = True  # False: an earlier delivery published tokens already (a resumed job), no first_token
 
     def prepare(self, pub: Publisher) -> None:
         # before the deltas: a job's first delta may be in this batch, and its out stream gets this TTL
         pub._out_ttl[self.job_id] = _ttl(self.result_ttl_s)
+        if self.first_token:
+            since = self.created_at if self.created_at is not None else self.started_at
+            pub._first_token[self.job_id] = (since, self.worker, self.model)
+        else:
+            pub._first_token.pop(self.job_id, None)
 
     def write(self, pub: Publisher, f: _Flush) -> None:
         jh = keys.job_hash(self.job_id)
@@ -88,6 +102,9 @@ class Start:
         f.pipe.expire(keys.out_stream(self.job_id), _ttl(self.result_ttl_s))  # a resumed job's stream exists already
         queue_event(f.pipe, event_fields(EventType.STARTED, self.job_id, self.started_at, worker=self.worker,
                                          deliveries=self.deliveries), pub.events_maxlen)
+        first = f.first_tokens.pop(self.job_id, None)  # its first token is in this flush too: after ``started``
+        if first is not None:
+            queue_event(f.pipe, first, pub.events_maxlen)
 
 
 @dataclass(slots=True)
@@ -106,6 +123,7 @@ class Final:
     def write(self, pub: Publisher, f: _Flush) -> None:
         r, result_json = pub._result_json(self)
         ttl = _ttl(self.result_ttl_s)
+        f.settled.append(r.job_id)  # a first token after its result is none (and the job's entry is forgotten)
         if self.write_result:
             jh, out = keys.job_hash(r.job_id), keys.out_stream(r.job_id)
             job_hash.queue_final(f.pipe, jh, r.status, result_json, r.finished_at)
@@ -181,6 +199,8 @@ class Publisher:
         self.num_events = 0
         self.last_error: BaseException | None = None
         self._out_ttl: dict[str, int] = {}  # job_id -> TTL for its out stream, set with its first event
+        # job_id -> (ttft counted from, worker, model) of a started job whose first_token event is still due
+        self._first_token: dict[str, tuple[float, str, str | None]] = {}
         self._broken: dict[str, str] = {}  # job_id -> why its events cannot be written (its result fails)
         self._sharded = is_cluster(client)
         self.events_maxlen = events_maxlen()  # the firehose's bound (producer.protocol.events)
@@ -288,6 +308,8 @@ class Publisher:
         b = _coalesce(items)
         # Redis Cluster: one atomic script per slot, then the acks (worker.slot_batch says why)
         pipe = SlotBatch(self.redis) if self._sharded else self.redis.pipeline(transaction=True)
+        now = time.time()
+        f = _Flush(pipe, int(now))
         n_events = 0
         for op in b.ops:
             op.prepare(self)
@@ -307,7 +329,17 @@ class Publisher:
             if ttl is not None:  # a running job's stream expires too (its worker may die, unreclaimed)
                 pipe.expire(out, ttl)
             n_events += 1
-        f = _Flush(pipe, int(time.time()))
+            if d.index == 0 and d.token_ids and d.job_id not in f.first_tokens:
+                due = self._first_token.get(d.job_id)  # popped once the flush lands (a retried flush writes it again)
+                if due is not None:
+                    at = d.at if d.at is not None else now  # the step that made it (it is visible from this flush on)
+                    f.first_tokens[d.job_id] = first_token_fields(d.job_id, at, due[0], due[1], due[2])
+                    f.settled.append(d.job_id)
+        # a job's first_token goes after its started event (Start.write queues it when both are in this flush)
+        # and before its final one; the rest go before every op
+        starting = {op.job_id for op in b.ops if isinstance(op, Start)}
+        for job_id in [j for j in f.first_tokens if j not in starting]:
+            queue_event(pipe, f.first_tokens.pop(job_id), self.events_maxlen)
         for op in b.ops:
             op.write(self, f)
         for lane, entry_ids in f.to_ack.items():
@@ -323,6 +355,8 @@ class Publisher:
                 raise exc
         if errors:
             log.warning("publisher: %d of the batch's writes were refused by Redis, first: %s", len(errors), errors[0])
+        for job_id in f.settled:
+            self._first_token.pop(job_id, None)
         self.num_events += n_events
         return f.acked
 
@@ -401,7 +435,7 @@ def _coalesce(items: list[Item]) -> _Batch:
             else:
                 cur = Delta(it.job_id, it.sample, it.index, list(it.token_ids), it.text, it.finish_reason,
                             None if it.logprobs is None else list(it.logprobs), it.prompt_logprobs, it.prompt_tokens,
-                            it.prompt_token_ids)
+                            it.prompt_token_ids, it.at)
                 b.deltas.append(cur)
                 open_delta[key] = cur
         else:

@@ -8,6 +8,7 @@ or the bulk sink for bulk jobs, which are acked only once their part is durable.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import redis
@@ -71,6 +72,8 @@ def collect(outputs: list, jobs: JobTable, token_texts: TokenTexts | None = None
                 if a.prompt_logprobs is not None and a.job.stream_prompt_logprobs and not a.prompt_logprobs_streamed:
                     prompt_lps, a.prompt_logprobs_streamed = a.prompt_logprobs, True  # with the job's first event
                 delta = Delta(a.job_id, c.index, c.first_token_index, ids, text, fin, lps, prompt_lps)
+                if not c.first_token_index and ids:  # a first token: its time, for the job's first_token event
+                    delta.at = time.time()
                 if not a.first_delta_sent and a.prompt_tokens:  # a stream's usage and ids need them before the end
                     a.first_delta_sent = True
                     delta.prompt_tokens, delta.prompt_token_ids = a.prompt_tokens, a.prompt_token_ids

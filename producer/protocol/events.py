@@ -1,7 +1,7 @@
 """The job-event firehose ``ps:events``: one capped stream of lifecycle events (issue 27).
 
 This module is the contract between those who write events (the client's submit and cancel, the
-worker's start / final / dead-letter writes, the bulk sink; each in the same transaction as the state
+worker's start / first-token / final / dead-letter writes, the bulk sink; each in the same transaction as the state
 change it reports) and those who read them (``Producer.events()``, ``pagestream events``, the webhook
 consumer, the gateway's dashboard). An entry's fields are flat strings:
 
@@ -9,8 +9,13 @@ consumer, the gateway's dashboard). An entry's fields are flat strings:
 - ``job``: the job id (bulk and batch events: empty);
 - ``ts``: epoch seconds when the change happened;
 - then, where they apply: ``model``, ``lane``, ``tenant``, ``worker``, ``finish_reason``, ``tokens`` (output tokens),
-  ``queue_s`` / ``run_s`` (seconds queued / running), ``error``, ``bulk`` (bulk id), ``batch`` (batch id),
-  ``done`` / ``failed`` / ``total`` (bulk progress counts), ``deliveries``.
+  ``queue_s`` / ``run_s`` (seconds queued / running), ``ttft_s`` (seconds from submit to the first token, on
+  ``first_token``), ``error``, ``bulk`` (bulk id), ``batch`` (batch id), ``done`` / ``failed`` / ``total`` (bulk
+  progress counts), ``deliveries``.
+
+``first_token`` is written once per job, by the worker's publisher, in the flush that writes the job's first token
+entry (index 0, whichever sample has it first); a job resumed after a worker died writes it only if no token had
+been published before. Bulk jobs (no out stream, no ``started``) write none.
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ class EventField:
     TOKENS = "tokens"
     QUEUE_S = "queue_s"
     RUN_S = "run_s"
+    TTFT_S = "ttft_s"
     ERROR = "error"
     BULK = "bulk"
     BATCH = "batch"
@@ -107,6 +113,14 @@ def final_event_fields(r: JobResult) -> dict[str, str]:
                         finish_reason=r.finish_reason, tokens=r.completion_tokens,
                         queue_s=None if queue_s is None else round(queue_s, 6),
                         run_s=None if run_s is None else round(run_s, 6), error=error, deliveries=r.deliveries or None)
+
+
+def first_token_fields(job: str, ts: float, since: float, worker: str | None = None,
+                       model: str | None = None) -> dict[str, str]:
+    """The event of a job's first token, published at ``ts``: ``ttft_s`` is counted from ``since`` (the job's
+    submit time where known, else its start), with the worker and model that ran it where known."""
+    return event_fields(EventType.FIRST_TOKEN, job, ts, model=model, worker=worker,
+                        ttft_s=round(ts - since, 6))
 
 
 @dataclass(frozen=True, slots=True)

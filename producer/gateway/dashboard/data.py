@@ -39,10 +39,9 @@ OWNER_CACHE = 50_000
 #: the events a job's row in "latest jobs" is made of, and those that are failures
 FINAL_TYPES = {EventType.FINISHED, EventType.FAILED, EventType.CANCELLED, EventType.DEAD_LETTERED}
 FAILURE_TYPES = {EventType.FAILED, EventType.DEAD_LETTERED}
-#: seconds from queued to first token, where a first_token event carries them
-TTFT_S = "ttft_s"
-#: what every key may see of any event: the charts' inputs, no ids and no texts
-AGGREGATE_FIELDS = (EventField.MODEL, EventField.TOKENS, EventField.QUEUE_S, EventField.RUN_S, TTFT_S)
+#: what every key may see of any event: the charts' inputs, no ids and no texts (``ttft_s``: seconds from submit to
+#: first token, on the worker's first_token events)
+AGGREGATE_FIELDS = (EventField.MODEL, EventField.TOKENS, EventField.QUEUE_S, EventField.RUN_S, EventField.TTFT_S)
 
 
 def _num(v: Any) -> float | None:

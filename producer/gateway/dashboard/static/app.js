@@ -83,8 +83,10 @@
     }, s.latency, $("#chart-latency"));
   }
   function redraw() {
-    if (!charts.throughput) { makeCharts(); return; }
     const s = series();
+    // how many buckets of the window have a first-token latency (what the chart's red line is drawn through)
+    $("#chart-latency").dataset.ttftPoints = s.latency[1].filter((v) => v != null).length;
+    if (!charts.throughput) { makeCharts(); return; }
     charts.throughput.setData(s.throughput);
     charts.latency.setData(s.latency);
   }
