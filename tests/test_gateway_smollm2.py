@@ -21,7 +21,7 @@ from pagestream.producer.protocol.wire import decode_out_entry
 from gateway_helpers import ServeProc
 from private_redis import free_port
 from queue_helpers import wait_for
-from test_gateway import DB_URL, _lane_lengths
+from test_gateway import DB_URL, _lane_heads
 
 pytestmark = pytest.mark.slow
 
@@ -437,7 +437,7 @@ def test_vllms_other_endpoints_and_400s_on_smollm2(served, smollm2_dir):
 
     vocab = 49152  # SmolLM2's
     r = redis.Redis.from_url(DB_URL)
-    before = _lane_lengths(r)
+    before = _lane_heads(r)
     chat = {"messages": [{"role": "user", "content": "x"}]}
     for path, body, param in (
             ("/v1/completions", {"prompt": ""}, "prompt"), ("/v1/completions", {"prompt": [[1, "a"]]}, "prompt"),
@@ -457,7 +457,7 @@ def test_vllms_other_endpoints_and_400s_on_smollm2(served, smollm2_dir):
         assert err["message"] and (err["param"] or "").startswith(param.split("_")[0]), (body, err)
         if param in ("stop_token_ids", "logit_bias"):
             assert err["param"] == param and param in err["message"], (body, err)
-    assert _lane_lengths(r) == before  # not one job queued
+    assert _lane_heads(r) == before  # not one job queued
     r.close()
 
 

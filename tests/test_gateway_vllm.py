@@ -17,7 +17,7 @@ from pagestream.producer.protocol import keys
 from private_redis import free_port
 from pagestream.worker.fake_engine import FakeEngine
 from queue_helpers import WorkerProc, wait_for
-from test_gateway import _lane_lengths
+from test_gateway import _lane_heads
 
 MODEL = "fake-vllm"
 
@@ -71,13 +71,13 @@ def test_a_list_of_prompts_is_one_job_each_answered_in_openais_choice_order(stac
 
 def test_one_bad_prompt_fails_the_whole_request_before_any_job(stack):
     c, r = stack["client"], stack["r"]
-    before = _lane_lengths(r)
+    before = _lane_heads(r)
     with pytest.raises(openai.BadRequestError) as info:
         c.completions.create(model=MODEL, prompt=[[1, 2], [3, 60_000]], max_tokens=2)  # 60000 >= the vocabulary
     assert "out of vocabulary" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model=MODEL, prompt=["fine", ""], max_tokens=2)
-    assert _lane_lengths(r) == before
+    assert _lane_heads(r) == before
 
 
 def test_logprobs_zero_gives_the_sampled_token_and_token_ids_extensions(stack):
@@ -253,12 +253,12 @@ def test_a_stream_with_return_token_ids_gives_each_choice_its_prompts_ids_once(s
 ])
 def test_bad_inputs_answer_400_with_the_reason_before_any_worker_step(stack, body, param):
     r = stack["r"]
-    before = _lane_lengths(r)
+    before = _lane_heads(r)
     resp = httpx.post(stack["gw"].base_url + "/completions", json={"model": MODEL, "max_tokens": 2, **body}, timeout=60)
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["message"] and (err["param"] or "").startswith(param.split("_")[0]), err
-    assert _lane_lengths(r) == before
+    assert _lane_heads(r) == before
 
 
 @pytest.mark.parametrize("body, param", [
@@ -275,13 +275,13 @@ def test_bad_stop_token_ids_and_logit_bias_are_a_400_naming_the_field_before_any
     values outside OpenAI's [-100, 100], on both endpoints: a 400 whose message and ``param`` name the field, and
     the model's lanes as they were (no job queued)."""
     r = stack["r"]
-    before = _lane_lengths(r)
+    before = _lane_heads(r)
     prompt = {"prompt": "x"} if path == "/completions" else {"messages": [{"role": "user", "content": "x"}]}
     resp = httpx.post(stack["gw"].base_url + path, json={"model": MODEL, "max_tokens": 2, **prompt, **body}, timeout=60)
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == param and param in err["message"], err
-    assert _lane_lengths(r) == before
+    assert _lane_heads(r) == before
 
 
 def test_a_chat_stream_with_return_token_ids_carries_the_prompts_ids_once(stack):
@@ -308,19 +308,19 @@ def test_a_chat_stream_with_return_token_ids_carries_the_prompts_ids_once(stack)
 def test_a_truncation_vllm_refuses_is_a_400_naming_it_before_anything_is_queued(stack, path, body):
     """0 (no prompt left), below -1, past the model's context (2048: vLLM's sentence), an unknown side."""
     r = stack["r"]
-    before = _lane_lengths(r)
+    before = _lane_heads(r)
     resp = httpx.post(stack["gw"].base_url + path, timeout=60, json={"model": MODEL, "max_tokens": 2, **body})
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] in ("truncate_prompt_tokens", "truncation_side"), err
     if body["truncate_prompt_tokens"] == 2049:
         assert "truncate_prompt_tokens value (2049) is greater than max_model_len (2048)" in err["message"], err
-    assert _lane_lengths(r) == before
+    assert _lane_heads(r) == before
 
 
 def test_a_prompt_past_the_context_is_a_400_before_anything_is_queued(stack):
     c, r = stack["client"], stack["r"]
-    before, lanes = set(r.scan_iter(match="ps:job:*")), _lane_lengths(r)
+    before, lanes = set(r.scan_iter(match="ps:job:*")), _lane_heads(r)
     too_long = " ".join(f"w{i}" for i in range(1900))  # with max_tokens 1000 past the 2048 context
     with pytest.raises(openai.BadRequestError) as info:
         c.completions.create(model=MODEL, prompt=["a short one", too_long, "another short one"], max_tokens=1000)
@@ -331,7 +331,7 @@ def test_a_prompt_past_the_context_is_a_400_before_anything_is_queued(stack):
     assert "in the messages" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError):  # token ids: counted by the gateway itself
         c.completions.create(model=MODEL, prompt=[7] * 2000, max_tokens=100)
-    assert set(r.scan_iter(match="ps:job:*")) == before and _lane_lengths(r) == lanes
+    assert set(r.scan_iter(match="ps:job:*")) == before and _lane_heads(r) == lanes
     ok = c.completions.create(model=MODEL, prompt=too_long, max_tokens=20)  # it fits with fewer new tokens
     assert ok.choices[0].finish_reason == "length"
 
