@@ -56,7 +56,7 @@ def stack(smollm2_dir, tmp_path_factory):
     r.flushdb()
     log_dir = tmp_path_factory.mktemp("tool-calls")
     model_dir = _tools_model(smollm2_dir, log_dir / "smollm2-tools")
-    args = ("--max-num-seqs", "4", "--max-model-len", "2048")
+    args = ("--max-num-seqs", "10", "--max-model-len", "2048")  # the tool loop runs 10 conversations at once
     workers = [WorkerProc(DB_URL, str(model_dir), "tools-worker", "--served-model-name", TOOLS_MODEL, *args, log_dir=log_dir),
                WorkerProc(DB_URL, str(smollm2_dir), "plain-worker", "--served-model-name", PLAIN_MODEL, *args, log_dir=log_dir)]
     gw = GatewayProc(DB_URL, "--enable-auto-tool-choice", "--tool-call-parser", "hermes", log_dir=log_dir)
@@ -231,9 +231,9 @@ def test_a_model_whose_template_has_no_tool_format_is_a_400(stack):
 
 def test_the_agents_style_tool_loop_completes_20_conversations(stack):
     """Acceptance 2: bench/tool_loop.py (the openai client's call, run the local function, answer loop) through
-    this gateway and worker, 20 conversations, 4 at a time: every one ends in an answer after its tool result."""
+    this gateway and worker, 20 conversations, 10 at a time: every one ends in an answer after its tool result."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "tool_loop.py"), "--base-url", stack["base_url"],
-                          "--model", TOOLS_MODEL, "-n", "20", "--max-tokens", "48"],
+                          "--model", TOOLS_MODEL, "-n", "20", "--concurrency", "10", "--max-tokens", "48"],
                          capture_output=True, text=True, timeout=600)
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0 and line["completed"] == 20 and line["tool_calls"] >= 20, (line, out.stderr[-2000:])
