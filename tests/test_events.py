@@ -7,7 +7,7 @@ import pytest
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.events import EventType, events_maxlen
 from pagestream.producer.protocol.schema import JobStatus
-from tests.queue_helpers import WorkerProc
+from tests.queue_helpers import WorkerProc, wait_for
 
 
 @pytest.fixture
@@ -134,3 +134,26 @@ def test_a_poison_entry_is_reported_dead_lettered(r, redis_url, producer, worker
         break
     assert ev.job == "" and ev.fields["lane"] == "normal"  # the entry named no job
     assert ev.fields["error"]
+
+
+def test_kill9_mid_job_reports_reclaimed_started_resumed_then_finished(r, redis_url, producer, workers):
+    a = workers(redis_url, "fake:20", "ev-kill-a", "--lease-ms", "1000")
+    a.wait_ready(60)
+    job = producer.submit(prompt="taken over", max_tokens=150, seed=5)  # ~3 s of 20 ms steps
+    wait_for(lambda: r.xlen(keys.out_stream(job)) >= 2, 30, "the job's first tokens")
+    a.kill9()
+    workers(redis_url, "fake:1", "ev-kill-b", "--lease-ms", "1000")  # reclaims once the dead one's lease lapsed
+    res = producer.result(job, timeout=60)
+    assert res.status == JobStatus.COMPLETED and res.worker == "ev-kill-b" and res.resumed_from > 0
+    evs = list(producer.events(job=job))
+    assert [e.type for e in evs] == [EventType.QUEUED, EventType.STARTED, EventType.FIRST_TOKEN, EventType.RECLAIMED,
+                                     EventType.STARTED, EventType.RESUMED, EventType.FINISHED]
+    _, started_a, first, reclaimed, started_b, resumed, finished = evs
+    assert started_a.fields["worker"] == first.fields["worker"] == "ev-kill-a"
+    assert reclaimed.fields["worker"] == "ev-kill-b" and reclaimed.fields["from_worker"] == "ev-kill-a"
+    assert reclaimed.fields["deliveries"] == started_b.fields["deliveries"] == "2" and started_b.fields["worker"] == "ev-kill-b"
+    # it continues from what the dead worker published: that many tokens, as the result says
+    assert resumed.fields["worker"] == "ev-kill-b" and resumed.fields["tokens"] == str(res.resumed_from)
+    assert finished.fields["worker"] == "ev-kill-b" and finished.fields["deliveries"] == "2"
+    assert reclaimed.ts == started_b.ts == resumed.ts  # written with the start of the delivery that took it over
+

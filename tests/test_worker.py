@@ -425,6 +425,11 @@ def test_restart_under_the_same_name_recovers_its_own_pel_at_once(r, redis_url, 
     for j in ids:
         res = producer.result(j, timeout=2)
         assert res.status == JobStatus.COMPLETED and res.deliveries == 2
+        # taken over from the earlier w1 (it had not started them): reclaimed goes with the new start
+        evs = list(producer.events(job=j))
+        evs = [e for e in evs if e.type.value != "queued"]  # (a cluster's submit writes no queued event)
+        assert [e.type.value for e in evs] == ["reclaimed", "started", "first_token", "finished"]
+        assert evs[0].fields["from_worker"] == evs[0].fields["worker"] == "w1" and evs[0].fields["deliveries"] == "2"
 
 
 @pytest.mark.also_on_cluster
