@@ -166,8 +166,27 @@ class Ack:
             f.ack(self.lane, self.entry_ids)
 
 
+@dataclass(slots=True)
+class HandBack:
+    """Jobs that left this worker without a result (handed back at a stop or an engine failure, or a lease lost):
+    forget what the publisher keeps for them (a first token still due, a TTL, a broken event), once the writes
+    queued before this are in. Writes nothing to Redis."""
+
+    job_ids: list[str]
+
+    def prepare(self, pub: Publisher) -> None:
+        pass
+
+    def write(self, pub: Publisher, f: _Flush) -> None:
+        # after this flush's deltas (a first token in it still gets its event); dropped once the flush lands
+        f.settled.extend(self.job_ids)
+        for job_id in self.job_ids:
+            pub._out_ttl.pop(job_id, None)
+            pub._broken.pop(job_id, None)
+
+
 #: a write other than a token delta: each writes itself into a flush
-Op = Start | Final | Ack
+Op = Start | Final | Ack | HandBack
 #: what the loop hands ``Publisher.put`` (a None is skipped)
 Item = Delta | Op | None
 
