@@ -157,3 +157,28 @@ def test_kill9_mid_job_reports_reclaimed_started_resumed_then_finished(r, redis_
     assert finished.fields["worker"] == "ev-kill-b" and finished.fields["deliveries"] == "2"
     assert reclaimed.ts == started_b.ts == resumed.ts  # written with the start of the delivery that took it over
 
+
+def test_a_small_bulk_reports_monotone_progress_per_part_then_one_bulk_finished(redis_url, producer, tmp_path):
+    from pagestream.producer.bulk.api import submit_bulk
+    from pagestream.producer.protocol.bulk import BulkSpec
+    from test_bulk import run_bulk_with_standins, write_input
+
+    assert BulkSpec(bulk_id="b1", input="i", output="o").batch_id is None
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 20, bad_every=7)  # lines 7 and 14 are invalid
+    # a Batch API batch (it has an input file): its events name the batch too
+    bulk_id = submit_bulk(str(inp), str(tmp_path / "out"), redis_url=redis_url, bulk_id="batch_ev1", input_file_id="file-ev1")
+    st = run_bulk_with_standins(redis_url, bulk_id, n_workers=1, count=4, flush_lines=4)  # parts of 4 lines
+    assert st["status"] == "completed" and st["request_counts"] == {"total": 20, "completed": 18, "failed": 2}
+    evs = [e for e in producer.events() if e.fields.get("bulk") == bulk_id]
+    progress = [e for e in evs if e.type == EventType.BULK_PROGRESS]
+    assert [e.type for e in evs] == [EventType.BULK_PROGRESS] * len(progress) + [EventType.BULK_FINISHED]
+    # one per committed part: the feed's part of invalid lines, then the 18 answered lines' parts of at most 4
+    assert 1 + 5 <= len(progress) <= 1 + 18 // 2, [e.fields for e in progress]
+    done, failed, total = ([int(e.fields[k]) for e in progress] for k in ("done", "failed", "total"))
+    assert all(x < y for x, y in zip(done, done[1:])), done  # each part moved it on
+    assert failed == sorted(failed) and total == sorted(total) and all(d <= t for d, t in zip(done, total))
+    assert (done[-1], failed[-1], total[-1]) == (20, 2, 20)
+    assert all(e.job == "" and e.fields["batch"] == bulk_id for e in evs)
+    fin = evs[-1].fields
+    assert (fin["status"], fin["done"], fin["failed"], fin["total"]) == ("completed", "20", "2", "20")
