@@ -459,7 +459,8 @@ class Orchestrator:
                     if bad:  # their part is written: counted by the script that writes the bulk's progress event
                         now = time.time()
                         count_keys = [self.key, keys.bulk_done_set(self.bulk_id)] + ([] if cluster else [keys.events_stream()])
-                        pipe.eval(COUNT_LUA, len(count_keys), *count_keys, *count_args(
+                        # (EVAL by hand: a cluster pipeline has no eval(); its keys route it to the bulk's slot)
+                        pipe.execute_command("EVAL", COUNT_LUA, len(count_keys), *count_keys, *count_args(
                             now, events_maxlen(), self.bulk_id, self.spec.batch_id, submitted=len(jobs), invalid=len(bad)))
                     else:
                         pipe.hincrby(self.key, BulkField.SUBMITTED, len(jobs))
