@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import redis
 
 from pagestream.producer.protocol import keys
-from tests.queue_helpers import ROOT, WorkerProc
-from zygote import run
+from tests.queue_helpers import ROOT, WorkerProc, wait_for
+from zygote import run, spawn
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -52,6 +54,43 @@ def test_submit_json_stream_tail_and_stats(redis_url, fake_worker):
     data = json.loads(cli("stats", "--redis-url", redis_url, "--json").stdout)
     assert data["lanes"]["normal"]["pending"] == 0 and data["dead_letters"] == 1
     assert data["lanes"]["normal"]["jobs_per_s"] > 0
+
+
+def test_events_prints_filters_and_follows_the_firehose_until_ctrl_c(redis_url):
+    from pagestream.producer import Producer
+
+    with Producer.from_url(redis_url) as p:
+        a = p.submit(prompt="events one", max_tokens=1)
+        b = p.submit(prompt="events two", max_tokens=1)
+        p.cancel(a)
+        out = cli("events", "--redis-url", redis_url)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert [(ln.split()[3], ln.split()[4]) for ln in lines] == [("queued", a), ("queued", b), ("cancelled", a)]
+        assert "lane=normal" in lines[0]
+        out = cli("events", "--redis-url", redis_url, "--job", a, "--json")
+        evs = [json.loads(ln) for ln in out.stdout.splitlines()]
+        assert [(e["type"], e["job"]) for e in evs] == [("queued", a), ("cancelled", a)]
+        assert evs[0]["id"] and isinstance(evs[0]["ts"], float)
+        out = cli("events", "--redis-url", redis_url, "--type", "cancelled", "--type", "finished", "--json")
+        assert [json.loads(ln)["job"] for ln in out.stdout.splitlines()] == [a]
+        out = cli("events", "--redis-url", redis_url, "--type", "finishd")
+        assert out.returncode == 2 and "finishd" in out.stderr
+        # --follow from an id: what came after it, then what comes next, until Ctrl-C (exit 0)
+        proc = spawn([sys.executable, "-m", "pagestream.worker.cli", "events", "--redis-url", redis_url, "--follow",
+                      "--from", evs[0]["id"], "--json"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True, env=dict(os.environ))
+        got: list[dict] = []
+        reader = threading.Thread(target=lambda: got.extend(json.loads(ln) for ln in proc.stdout), daemon=True)
+        reader.start()
+        try:
+            c = p.submit(prompt="events three", max_tokens=1)
+            wait_for(lambda: any(e["job"] == c for e in got), 30, "the followed event")
+        finally:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(15) == 0, proc.stderr.read()
+        reader.join(5)
+        assert [(e["type"], e["job"]) for e in got] == [("queued", b), ("cancelled", a), ("queued", c)]
 
 
 def test_submit_bad_input_is_a_clear_error(redis_url):

@@ -7,7 +7,7 @@ import pytest
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.events import EventType, events_maxlen
 from pagestream.producer.protocol.schema import JobStatus
-from tests.queue_helpers import WorkerProc
+from tests.queue_helpers import WorkerProc, wait_for
 
 
 @pytest.fixture
@@ -134,3 +134,51 @@ def test_a_poison_entry_is_reported_dead_lettered(r, redis_url, producer, worker
         break
     assert ev.job == "" and ev.fields["lane"] == "normal"  # the entry named no job
     assert ev.fields["error"]
+
+
+def test_kill9_mid_job_reports_reclaimed_started_resumed_then_finished(r, redis_url, producer, workers):
+    a = workers(redis_url, "fake:20", "ev-kill-a", "--lease-ms", "1000")
+    a.wait_ready(60)
+    job = producer.submit(prompt="taken over", max_tokens=150, seed=5)  # ~3 s of 20 ms steps
+    wait_for(lambda: r.xlen(keys.out_stream(job)) >= 2, 30, "the job's first tokens")
+    a.kill9()
+    workers(redis_url, "fake:1", "ev-kill-b", "--lease-ms", "1000")  # reclaims once the dead one's lease lapsed
+    res = producer.result(job, timeout=60)
+    assert res.status == JobStatus.COMPLETED and res.worker == "ev-kill-b" and res.resumed_from > 0
+    evs = list(producer.events(job=job))
+    assert [e.type for e in evs] == [EventType.QUEUED, EventType.STARTED, EventType.FIRST_TOKEN, EventType.RECLAIMED,
+                                     EventType.STARTED, EventType.RESUMED, EventType.FINISHED]
+    _, started_a, first, reclaimed, started_b, resumed, finished = evs
+    assert started_a.fields["worker"] == first.fields["worker"] == "ev-kill-a"
+    assert reclaimed.fields["worker"] == "ev-kill-b" and reclaimed.fields["from_worker"] == "ev-kill-a"
+    assert reclaimed.fields["deliveries"] == started_b.fields["deliveries"] == "2" and started_b.fields["worker"] == "ev-kill-b"
+    # it continues from what the dead worker published: that many tokens, as the result says
+    assert resumed.fields["worker"] == "ev-kill-b" and resumed.fields["tokens"] == str(res.resumed_from)
+    assert finished.fields["worker"] == "ev-kill-b" and finished.fields["deliveries"] == "2"
+    assert reclaimed.ts == started_b.ts == resumed.ts  # written with the start of the delivery that took it over
+
+
+def test_a_small_bulk_reports_monotone_progress_per_part_then_one_bulk_finished(redis_url, producer, tmp_path):
+    from pagestream.producer.bulk.api import submit_bulk
+    from pagestream.producer.protocol.bulk import BulkSpec
+    from test_bulk import run_bulk_with_standins, write_input
+
+    assert BulkSpec(bulk_id="b1", input="i", output="o").batch_id is None
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 20, bad_every=7)  # lines 7 and 14 are invalid
+    # a Batch API batch (it has an input file): its events name the batch too
+    bulk_id = submit_bulk(str(inp), str(tmp_path / "out"), redis_url=redis_url, bulk_id="batch_ev1", input_file_id="file-ev1")
+    st = run_bulk_with_standins(redis_url, bulk_id, n_workers=1, count=4, flush_lines=4)  # parts of 4 lines
+    assert st["status"] == "completed" and st["request_counts"] == {"total": 20, "completed": 18, "failed": 2}
+    evs = [e for e in producer.events() if e.fields.get("bulk") == bulk_id]
+    progress = [e for e in evs if e.type == EventType.BULK_PROGRESS]
+    assert [e.type for e in evs] == [EventType.BULK_PROGRESS] * len(progress) + [EventType.BULK_FINISHED]
+    # one per committed part: the feed's part of invalid lines, then the 18 answered lines' parts of at most 4
+    assert 1 + 5 <= len(progress) <= 1 + 18 // 2, [e.fields for e in progress]
+    done, failed, total = ([int(e.fields[k]) for e in progress] for k in ("done", "failed", "total"))
+    assert all(x < y for x, y in zip(done, done[1:])), done  # each part moved it on
+    assert failed == sorted(failed) and total == sorted(total) and all(d <= t for d, t in zip(done, total))
+    assert (done[-1], failed[-1], total[-1]) == (20, 2, 20)
+    assert all(e.job == "" and e.fields["batch"] == bulk_id for e in evs)
+    fin = evs[-1].fields
+    assert (fin["status"], fin["done"], fin["failed"], fin["total"]) == ("completed", "20", "2", "20")

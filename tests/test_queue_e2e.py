@@ -16,6 +16,7 @@ import pytest
 
 from pagestream.producer import JobStatus, Producer
 from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.events import EventType
 from tests.queue_helpers import ROOT, WorkerProc, assert_contiguous, engine_core_pid, lane_group, pending_of, pid_alive, raw_events, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.also_on_cluster]
@@ -108,6 +109,29 @@ def test_end_to_end_two_producers_two_workers(r, redis_url, producer, workers, t
     assert g["entries-read"] == 51 and g["pending"] == 0
 
 
+def _assert_takeover_events(producer, jid: str, res, victim: str) -> None:
+    """A job's events after ``victim`` was stopped or killed mid-run (ARCHITECTURE.md, "Job events"): exactly
+    queued, started, first_token, reclaimed, started, resumed, finished for a job it had published tokens of; one it
+    held without a token yet is taken over with reclaimed, started, first_token; one it never held runs plainly."""
+    T = EventType
+    evs = [e for e in producer.events(job=jid) if e.type != T.QUEUED]  # (a cluster's submit writes no queued event)
+    types = [e.type for e in evs]
+    if T.RECLAIMED not in types:  # never taken over: one delivery
+        assert types == [T.STARTED, T.FIRST_TOKEN, T.FINISHED] and res.deliveries == 1, (jid, types)
+        return
+    taken = types.index(T.RECLAIMED)
+    if res.resumed_from:
+        assert types == [T.STARTED, T.FIRST_TOKEN, T.RECLAIMED, T.STARTED, T.RESUMED, T.FINISHED], (jid, types)
+        assert evs[4].fields["tokens"] == str(res.resumed_from)
+    else:  # taken before its first token: started by the victim or only read by it
+        assert types[taken:] == [T.RECLAIMED, T.STARTED, T.FIRST_TOKEN, T.FINISHED], (jid, types)
+        assert types[:taken] in ([], [T.STARTED]), (jid, types)
+    assert all(e.fields["worker"] == victim for e in evs[:taken])
+    assert evs[taken].fields["from_worker"] == victim and evs[taken].fields["worker"] == res.worker != victim
+    # (a kill leaves the delivery counted: 2; a stop's hand-back does not count it: still 1)
+    assert evs[taken].fields["deliveries"] == evs[taken + 1].fields["deliveries"] == str(res.deliveries)
+
+
 def _subscribe_and_wait_mid_job(r, redis_url, producer, specs, victim: str):
     """Submit ``specs`` with a live subscriber per job; return once worker ``victim`` holds running
     jobs with published tokens (the moment to kill it), with the dict the subscribers fill."""
@@ -166,6 +190,7 @@ def test_kill9_worker_loses_nothing_and_seeded_jobs_resume_exactly(r, redis_url,
     for jid, res in results.items():
         firsts = [e.fields["worker"] for e in producer.events(job=jid, types=["first_token"])]
         assert firsts == ["crash-a" if res.resumed_from else res.worker], (jid, firsts, res.resumed_from)
+        _assert_takeover_events(producer, jid, res, "crash-a")
     assert pending_of(r).get("crash-a", 0) == 0
 
 
@@ -215,6 +240,8 @@ def test_kill9_logprobs_published_before_the_crash_stay_and_the_rerun_adds_the_r
     for res in resumed:
         assert res.worker == "lp-b" and res.deliveries >= 2
         assert res.logprobs[:res.resumed_from] and all(lp.token for lp in res.logprobs)
+    for jid, res in results.items():
+        _assert_takeover_events(producer, jid, res, "lp-a")
 
 
 def test_warm_shutdown_loses_nothing_and_exits_within_drain_timeout(r, redis_url, producer, workers, tiny_llama_dir, reference_llm):
@@ -314,3 +341,5 @@ def test_cold_stop_on_second_sigterm_hands_jobs_back_and_they_resume(r, redis_ur
         assert res.text == fake.expected_text(s["prompt"], s["seed"], 150) == assert_contiguous(r, s["job_id"])
         # its first token came from the stopped worker; the resumed run writes no second first_token event
         assert [e.fields["worker"] for e in producer.events(job=s["job_id"], types=["first_token"])] == ["cold-a"]
+        # handed back at the stop and taken over: reclaimed from cold-a, started again, resumed from its tokens
+        _assert_takeover_events(producer, s["job_id"], res, "cold-a")

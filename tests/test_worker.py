@@ -412,6 +412,8 @@ def test_a_dead_engine_stops_the_worker_and_another_completes_its_jobs(r, redis_
     other.run(burst=True)
     for j in ids:
         assert producer.result(j, timeout=5).status == JobStatus.COMPLETED
+    # handed back before any token: the dead worker's publisher kept no "first token still due" entry for them
+    assert not w.publisher._first_token and not w.publisher._out_ttl
 
 
 @pytest.mark.also_on_cluster
@@ -425,6 +427,11 @@ def test_restart_under_the_same_name_recovers_its_own_pel_at_once(r, redis_url, 
     for j in ids:
         res = producer.result(j, timeout=2)
         assert res.status == JobStatus.COMPLETED and res.deliveries == 2
+        # taken over from the earlier w1 (it had not started them): reclaimed goes with the new start
+        evs = list(producer.events(job=j))
+        evs = [e for e in evs if e.type.value != "queued"]  # (a cluster's submit writes no queued event)
+        assert [e.type.value for e in evs] == ["reclaimed", "started", "first_token", "finished"]
+        assert evs[0].fields["from_worker"] == evs[0].fields["worker"] == "w1" and evs[0].fields["deliveries"] == "2"
 
 
 @pytest.mark.also_on_cluster
@@ -441,6 +448,8 @@ def test_worker_drops_a_job_whose_lease_another_consumer_took(r, redis_url, prod
         assert w.run(burst=True, max_steps=1) == 0  # dropped: nothing left to step
         assert w.engine.stats().num_running == 0 and not w.jobs
         assert r.xpending_range(stream, "workers", "-", "+", 10)[0]["consumer"] == b"thief"  # not taken back
+        w.publisher.flush(5)
+        assert jid not in w.publisher._first_token and jid not in w.publisher._out_ttl  # forgotten with the job
         assert producer.status(jid) == JobStatus.RUNNING  # the thief owns its outcome now
     finally:
         w.close()

@@ -9,7 +9,9 @@ re-run may put a job's line into a second part, and finalize keeps one.
 
 After a part is durable the sink counts its custom_ids once per bulk (SADD on
 the bulk's done set, then HINCRBY completed/failed, in one Lua script), which is
-what the orchestrator waits on.
+what the orchestrator waits on. The same script writes the bulk's ``bulk_progress``
+event when the part changed the counts (on Redis Cluster, where the events stream
+is in another slot, the sink writes it just after): one per part, not per line.
 
 Buffers flush at ``bulk_flush_lines`` or after ``bulk_flush_interval_s``; once
 ``bulk_max_buffered_lines`` (default 4 x ``bulk_flush_lines``) are buffered in
@@ -32,8 +34,9 @@ from pagestream.producer.protocol import keys
 from pagestream.producer.bulk.parts import TOOL_ANSWER, PartEntry, line_of_job_id, result_entry
 from pagestream.producer.bulk.storage import StorageError, StorageSettings
 from pagestream.producer.bulk.stores import Storage, open_storage, storage_settings_for
-from pagestream.producer.protocol.bulk import COUNT_LUA, BulkField, BulkSpec, BulkStatus
-from pagestream.producer.protocol.redis_conn import Backoff
+from pagestream.producer.protocol.bulk import COUNT_LUA, BulkField, BulkSpec, BulkStatus, count_args
+from pagestream.producer.protocol.events import bulk_progress_fields, events_maxlen, queue_event
+from pagestream.producer.protocol.redis_conn import Backoff, is_cluster
 from pagestream.producer.protocol.tools import ToolAnswer
 from pagestream.producer.protocol.wire import as_str
 
@@ -69,6 +72,7 @@ class BulkSink:
         self.storage_settings = StorageSettings(**({"s3_endpoint_url": endpoint} if endpoint else {}))
         self._specs: dict[str, BulkSpec] = {}
         self._count = redis_client.register_script(COUNT_LUA)
+        self._cluster = is_cluster(redis_client)  # the events stream is in another slot than the bulk's keys
         self._buffers: dict[str, _Buffer] = {}
         self._storages: dict[str, Storage] = {}
         self._to_ack: list[tuple[str, str]] = []
@@ -191,10 +195,15 @@ class BulkSink:
             return self._let_go(bulk_id, entries)
         if buf.backoff.failures:  # this worker's last error is history now
             self.redis.hdel(key, BulkField.SINK_ERROR, BulkField.SINK_ERROR_PERMANENT)
-        args: list[str] = []
-        for _, _, entry in buf.items:
-            args += [entry.custom_id or "", "1" if entry.ok else "0"]
-        self._count(keys=[key, keys.bulk_done_set(bulk_id)], args=args)
+        spec = self._specs.get(bulk_id)
+        batch = spec.batch_id if spec is not None else None
+        lines = [(entry.custom_id or "", entry.ok) for _, _, entry in buf.items]
+        now = time.time()
+        count_keys = [key, keys.bulk_done_set(bulk_id)] + ([] if self._cluster else [keys.events_stream()])
+        counted = self._count(keys=count_keys, args=count_args(now, events_maxlen(), bulk_id, batch, lines=lines))
+        if self._cluster and int(counted[2]):
+            done, failed, total = (int(v) for v in counted[3:6])
+            queue_event(self.redis, bulk_progress_fields(bulk_id, now, done, failed, total, batch), events_maxlen())
         # The submit left a job hash per bulk job; mark it final and let it expire like any result.
         pipe = self.redis.pipeline(transaction=False)
         for (job_id, ttl), (_, _, entry) in zip(buf.jobs, buf.items):

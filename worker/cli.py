@@ -203,12 +203,13 @@ from pagestream.worker.serve_cli import serve  # noqa: E402
 app.command("gateway")(gateway)
 app.command("serve")(serve)
 
-from pagestream.producer.client.cli import cancel, dlq_app, status, submit, tail  # noqa: E402  (the client's commands)
+from pagestream.producer.client.cli import cancel, dlq_app, events, status, submit, tail  # noqa: E402  (the client's commands)
 
 app.command("submit")(submit)
 app.command("tail")(tail)
 app.command("cancel")(cancel)
 app.command("status")(status)
+app.command("events")(events)
 app.add_typer(dlq_app, name="dlq")
 
 from pagestream.producer.webhook.cli import webhook  # noqa: E402  (the event firehose to a URL)

@@ -50,7 +50,8 @@ OVERSIZED_FIELD = b"__oversized_bytes__"
 
 # Read (XREADGROUP, no BLOCK) or reclaim (XAUTOCLAIM) entries, cutting any entry over
 # max_bytes down to its first keep_bytes before it leaves Redis: whatever a raw XADD
-# queued, one pull costs the worker at most count x max_bytes.
+# queued, one pull costs the worker at most count x max_bytes. A reclaimed entry comes
+# with a third element: the consumer that held it (for the ``reclaimed`` event).
 # KEYS: stream. ARGV: 'read'|'claim', group, consumer, count, id (read) or min_idle_ms (claim), max_bytes, keep_bytes
 _READ_LUA = """
 local entries
@@ -59,7 +60,14 @@ if ARGV[1] == 'read' then
   if not resp then return {} end
   entries = resp[1][2]
 else
+  -- who held each entry before it is claimed (the same entries XAUTOCLAIM takes: idle past the lease, oldest first)
+  local owner = {}
+  for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[2], 'IDLE', ARGV[5], '-', '+', ARGV[4])) do owner[p[1]] = p[2] end
   entries = redis.call('XAUTOCLAIM', KEYS[1], ARGV[2], ARGV[3], ARGV[5], '0-0', 'COUNT', ARGV[4])[2]
+  for _, e in ipairs(entries) do
+    if e[2] == nil then e[2] = false end
+    e[3] = owner[e[1]] or ''
+  end
 end
 local max_bytes, keep = tonumber(ARGV[6]), tonumber(ARGV[7])
 for _, e in ipairs(entries) do
@@ -93,6 +101,10 @@ class Delivery:
     entry_id: str
     fields: dict[bytes, bytes] | None  # None: the entry was deleted from the stream
     deliveries: int = 1
+    # a delivery that took the entry over: the consumer that held it (XAUTOCLAIM after its lease lapsed, or an
+    # entry it handed back), or this consumer's own name for an entry an earlier process under it left pending;
+    # None for an entry read new
+    claimed_from: str | None = None
 
 
 def entry_size(fields: dict[bytes, bytes] | None) -> int:
@@ -131,10 +143,14 @@ class Consumer:
 
     def _pull(self, lane: str, mode: str, count: int, arg: str | int) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
         """Entries of one lane (``_READ_LUA``), oversized ones cut down, fields as a dict (None: deleted)."""
+        return [(row[0], row[1]) for row in self._pull_rows(lane, mode, count, arg)]
+
+    def _pull_rows(self, lane: str, mode: str, count: int, arg: str | int) -> list[tuple]:
+        """``_pull``'s rows; a reclaimed one has a third element, the consumer that held it."""
         rows = self._read_cut(keys=[self.stream(lane)], args=[
             mode, self.group, self.name, count, arg, self.settings.max_entry_bytes, self.settings.dead_letter_payload_bytes,
         ])
-        return [(i, dict(zip(f[::2], f[1::2])) if f else None) for i, f in rows]
+        return [(row[0], dict(zip(row[1][::2], row[1][1::2])) if row[1] else None, *row[2:]) for row in rows]
 
     def stream(self, lane: str) -> str:
         """The stream behind a lane key (``normal``, or ``normal/3`` for a shard on a cluster)."""
@@ -184,7 +200,8 @@ class Consumer:
         for lane in self.lanes:
             if len(out) >= max_count:
                 break
-            out.extend(self._with_counts(lane, self._pull(lane, "read", max_count - len(out), "0")))
+            # held by an earlier process under this name: taken over as a reclaim is
+            out.extend(self._with_counts(lane, self._pull(lane, "read", max_count - len(out), "0"), from_self=True))
         return out
 
     def read(self, max_count: int, block_ms: int | None = None) -> list[Delivery]:
@@ -287,20 +304,23 @@ class Consumer:
             n = max_count - len(out)
             if n <= 0:
                 break
-            out.extend(self._with_counts(lane, self._pull(lane, "claim", n, self.settings.lease_ms)))
+            out.extend(self._with_counts(lane, self._pull_rows(lane, "claim", n, self.settings.lease_ms)))
         return out
 
-    def _with_counts(self, lane: str, entries: list) -> list[Delivery]:
+    def _with_counts(self, lane: str, entries: list, from_self: bool = False) -> list[Delivery]:
+        """Deliveries of taken-over entries ((id, fields[, previous owner]) rows), with their delivery counts."""
         if not entries:
             return []
         stream = self.stream(lane)
         pipe = self.redis.pipeline(transaction=False)
-        for entry_id, _ in entries:
-            pipe.xpending_range(stream, self.group, min=entry_id, max=entry_id, count=1)
+        for row in entries:
+            pipe.xpending_range(stream, self.group, min=row[0], max=row[0], count=1)
         counts = []
         for rows in pipe.execute():
             counts.append(int(rows[0]["times_delivered"]) if rows else 1)
-        return [Delivery(lane, as_str(i), f or None, c) for (i, f), c in zip(entries, counts)]
+        return [Delivery(lane, as_str(row[0]), row[1] or None, c,
+                         self.name if from_self else as_str(row[2]) if len(row) > 2 else "")
+                for row, c in zip(entries, counts)]
 
     # -- leases, acks, dead letters ---------------------------------------------------------
 

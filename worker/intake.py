@@ -252,7 +252,8 @@ class Intake:
             if not a.is_bulk:
                 ops.append(Start(a.job_id, self.settings.consumer, a.started_at, a.delivery.deliveries, a.job.result_ttl_s,
                                  created_at=a.job.created_at, model=self.settings.served_model_name or self.settings.model,
-                                 first_token=not a.tokens_published))
+                                 first_token=not a.tokens_published, reclaimed_from=a.delivery.claimed_from,
+                                 resumed_from=len(a.resume or [])))
         self.put(ops)
         if skipped:
             self.bulk.record_skipped(skipped)

@@ -26,7 +26,7 @@ import redis
 from pagestream.producer.protocol import job as job_hash
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.events import (EventType, event_fields, events_maxlen, final_event_fields,
-                                                 first_token_fields, queue_event)
+                                                 first_token_fields, queue_event, reclaimed_fields, resumed_fields)
 from pagestream.producer.protocol.redis_conn import Backoff, is_cluster
 from pagestream.producer.protocol.schema import JobResult, JobStatus
 from pagestream.producer.protocol.wire import end_fields, token_event_fields
@@ -84,6 +84,9 @@ class Start:
     created_at: float | None = None  # when the job was submitted: ``first_token``'s ttft counts from it (else from start)
     model: str | None = None  # the model the worker serves, on the ``first_token`` event
     first_token: bool = True  # False: an earlier delivery published tokens already (a resumed job), no first_token
+    # the delivery took the job over (``Delivery.claimed_from``): a ``reclaimed`` event before ``started``; "" unknown
+    reclaimed_from: str | None = None
+    resumed_from: int = 0  # tokens an earlier delivery published that this one continues from: a ``resumed`` event
 
     def prepare(self, pub: Publisher) -> None:
         # before the deltas: a job's first delta may be in this batch, and its out stream gets this TTL
@@ -100,8 +103,14 @@ class Start:
         # a job that never finishes (every worker dies, nobody reclaims) does not leak its keys
         f.pipe.expire(jh, _ttl(self.result_ttl_s))
         f.pipe.expire(keys.out_stream(self.job_id), _ttl(self.result_ttl_s))  # a resumed job's stream exists already
+        if self.reclaimed_from is not None:
+            queue_event(f.pipe, reclaimed_fields(self.job_id, self.started_at, self.worker, self.reclaimed_from,
+                                                 self.deliveries), pub.events_maxlen)
         queue_event(f.pipe, event_fields(EventType.STARTED, self.job_id, self.started_at, worker=self.worker,
                                          deliveries=self.deliveries), pub.events_maxlen)
+        if self.resumed_from:
+            queue_event(f.pipe, resumed_fields(self.job_id, self.started_at, self.worker, self.resumed_from),
+                        pub.events_maxlen)
         first = f.first_tokens.pop(self.job_id, None)  # its first token is in this flush too: after ``started``
         if first is not None:
             queue_event(f.pipe, first, pub.events_maxlen)
@@ -157,8 +166,27 @@ class Ack:
             f.ack(self.lane, self.entry_ids)
 
 
+@dataclass(slots=True)
+class HandBack:
+    """Jobs that left this worker without a result (handed back at a stop or an engine failure, or a lease lost):
+    forget what the publisher keeps for them (a first token still due, a TTL, a broken event), once the writes
+    queued before this are in. Writes nothing to Redis."""
+
+    job_ids: list[str]
+
+    def prepare(self, pub: Publisher) -> None:
+        pass
+
+    def write(self, pub: Publisher, f: _Flush) -> None:
+        # after this flush's deltas (a first token in it still gets its event); dropped once the flush lands
+        f.settled.extend(self.job_ids)
+        for job_id in self.job_ids:
+            pub._out_ttl.pop(job_id, None)
+            pub._broken.pop(job_id, None)
+
+
 #: a write other than a token delta: each writes itself into a flush
-Op = Start | Final | Ack
+Op = Start | Final | Ack | HandBack
 #: what the loop hands ``Publisher.put`` (a None is skipped)
 Item = Delta | Op | None
 

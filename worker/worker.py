@@ -30,7 +30,7 @@ from pagestream.worker.job_table import JobTable
 from pagestream.worker.jobs import ActiveJob
 from pagestream.worker.loop_state import LoopState
 from pagestream.worker.metrics import WorkerMetrics
-from pagestream.worker.publisher import Publisher, acks
+from pagestream.worker.publisher import HandBack, Publisher, acks
 from pagestream.worker.results import Results
 from pagestream.worker.settings import WorkerSettings
 from pagestream.worker.signals import stop_signals
@@ -191,6 +191,7 @@ class Worker:
             if (a.delivery.lane, a.delivery.entry_id) in lost:
                 log.warning("lost the lease of %s (job %s) to another worker; dropping it", a.delivery.entry_id, a.job_id)
                 self._abort(a)
+                ops.append(HandBack([a.job_id]))  # no result from here: the publisher forgets the job
             elif a.job_id in cancels:
                 self._abort(a)
                 ops.append(self.results.finish(a, JobStatus.CANCELLED, error="cancelled"))
@@ -242,6 +243,8 @@ class Worker:
         unfinished = self.jobs.running()
         for a in unfinished:
             self._abort(a)
+        # handed back without a result: the publisher forgets them once the writes queued before are in
+        self.publisher.put([HandBack([a.job_id for a in unfinished if not a.is_bulk])] if unfinished else [])
         self.publisher.flush(timeout=flush_s)
         # whoever reclaims them resumes from the published tokens
         self._release([a.delivery for a in unfinished if not a.is_bulk], count_delivery=count_delivery)

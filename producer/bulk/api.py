@@ -24,7 +24,8 @@ import redis
 
 from pagestream.producer.protocol import keys
 from pagestream.producer.bulk.rq_queue import BULK_QUEUE, RUN_BULK_FUNC, bulk_queue, fetch_job_status, rq_connection
-from pagestream.producer.protocol.redis_conn import connect
+from pagestream.producer.protocol.events import bulk_finished_fields, events_maxlen, queue_event
+from pagestream.producer.protocol.redis_conn import connect, is_cluster
 from pagestream.producer.protocol.bulk import AddressingStyle, BulkField, BulkSpec, BulkStatus, is_live, request_counts  # noqa: F401 (re-exported)
 from pagestream.producer.protocol.bulk import decode as decode_bulk
 from pagestream.producer.protocol.schema import Lane
@@ -140,6 +141,30 @@ def load_spec(conn: redis.Redis, bulk_id: str) -> BulkSpec:
     return BulkSpec.model_validate_json(as_str(raw))
 
 
+def queue_finished_event(conn: Any, pipe: Any, bulk_id: str, status: BulkStatus, counts: dict[str, int],
+                         batch: str | None = None, error: str | None = None, ts: float | None = None) -> dict | None:
+    """Queue the bulk's one ``bulk_finished`` event on ``pipe``, the transaction that makes its status final. On a
+    cluster the events stream is in another slot: the fields are returned, for ``write_late_event`` after it."""
+    fields = bulk_finished_fields(bulk_id, time.time() if ts is None else ts, status.value, counts, batch, error)
+    if is_cluster(conn):
+        return fields
+    queue_event(pipe, fields, events_maxlen())
+    return None
+
+
+def write_late_event(conn: Any, fields: dict | None) -> None:
+    """The event ``queue_finished_event`` left for after the transaction (Redis Cluster), if any."""
+    if fields is not None:
+        queue_event(conn, fields, events_maxlen())
+
+
+def _batch_of(conn: redis.Redis, bulk_id: str) -> str | None:
+    try:
+        return load_spec(conn, bulk_id).batch_id
+    except (KeyError, ValueError):
+        return None
+
+
 def get_bulk(conn: redis.Redis, bulk_id: str) -> dict[str, Any]:
     """Status of a bulk as a JSON-able dict (OpenAI batch-like). Raises ``KeyError`` if unknown."""
     state = decode_bulk(conn.hgetall(keys.bulk_hash(bulk_id)))
@@ -220,8 +245,14 @@ def rescue_stalled(conn: redis.Redis, queue_name: str = BULK_QUEUE) -> list[str]
             continue
         n = conn.hincrby(key, BulkField.RESTARTS, 1)
         if n > MAX_RESTARTS:
-            conn.hset(key, mapping={BulkField.STATUS: BulkStatus.FAILED.value, BulkField.FINISHED_AT: repr(time.time()),
-                                    BulkField.ERROR: f"orchestrator died or failed {n - 1} times; giving up"})
+            now, error = time.time(), f"orchestrator died or failed {n - 1} times; giving up"
+            counts = request_counts(decode_bulk(conn.hgetall(key)))
+            pipe = conn.pipeline(transaction=True)
+            pipe.hset(key, mapping={BulkField.STATUS: BulkStatus.FAILED.value, BulkField.FINISHED_AT: repr(now),
+                                    BulkField.ERROR: error})
+            late = queue_finished_event(conn, pipe, bulk_id, BulkStatus.FAILED, counts, _batch_of(conn, bulk_id), error, now)
+            pipe.execute()
+            write_late_event(conn, late)
             continue
         enqueue_run(conn, bulk_id, job_id=f"{bulk_id}-r{n}", queue_name=queue_name)
         rescued.append(bulk_id)

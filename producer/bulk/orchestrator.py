@@ -32,7 +32,7 @@ import redis
 from pydantic import ValidationError
 
 from pagestream.producer.protocol import keys
-from pagestream.producer.bulk.api import LEASE_S, load_spec
+from pagestream.producer.bulk.api import LEASE_S, load_spec, queue_finished_event, write_late_event
 from pagestream.producer.bulk.finalize import PARTS_PREFIX, UNFINISHED_PART, compact, list_parts, manifest_header, remove_parts
 from pagestream.producer.bulk.io import CHAT_URL, COMPLETIONS_URL, BadLine, BulkRequest, max_line_bytes, parse_line
 from pagestream.producer.bulk.parts import TOOL_ANSWER, error_entry, request_id
@@ -40,9 +40,10 @@ from pagestream.producer.bulk.storage import StorageError, StorageSettings
 from pagestream.producer.bulk.stores import open_input, open_storage, storage_settings_for
 from pagestream.producer.client.producer import Producer
 from pagestream.producer.protocol.errors import RequestError
-from pagestream.producer.protocol.bulk import REFRESH_LEASE_LUA, BulkField, BulkSpec, BulkStatus, request_counts
+from pagestream.producer.protocol.bulk import COUNT_LUA, REFRESH_LEASE_LUA, BulkField, BulkSpec, BulkStatus, count_args, request_counts
 from pagestream.producer.protocol.bulk import decode as decode_bulk
 from pagestream.producer.protocol.limits import job_limits
+from pagestream.producer.protocol.events import bulk_progress_fields, events_maxlen, queue_event
 from pagestream.producer.protocol.redis_conn import is_cluster, outage_proof, outage_retry, same_server
 from pagestream.producer.protocol.settings import redis_url as main_redis_url
 from pagestream.producer.protocol.settings import rq_redis_url
@@ -252,8 +253,16 @@ class Orchestrator:
 
     def _fail(self, message: str) -> None:
         log.error("bulk %s failed: %s", self.bulk_id, message)
-        self._set_status(BulkStatus.FAILED, **{BulkField.ERROR: message, BulkField.FINISHED_AT: repr(time.time())})
-        self.conn.expire(self.key, STATUS_TTL_S)
+        now = time.time()
+        pipe = self.conn.pipeline(transaction=True)  # the status and its bulk_finished event together
+        pipe.hset(self.key, mapping={BulkField.STATUS: BulkStatus.FAILED.value, BulkField.ERROR: message,
+                                     BulkField.FINISHED_AT: repr(now)})
+        late = queue_finished_event(self.conn, pipe, self.bulk_id, BulkStatus.FAILED, request_counts(self.state()),
+                                    self.spec.batch_id, message, now)
+        pipe.expire(self.key, STATUS_TTL_S)
+        pipe.execute()
+        write_late_event(self.conn, late)
+        self._save_meta(force=True)
         self.conn.delete(keys.bulk_seen_hash(self.bulk_id), keys.bulk_done_set(self.bulk_id),
                          keys.bulk_part_seq(self.bulk_id))
 
@@ -446,9 +455,21 @@ class Orchestrator:
                         pipe.hset(self.key, mapping=mapping)
                     if jobs:  # the Batch object's endpoint, for bulks not created with one (producer.bulk.batches)
                         pipe.hsetnx(self.key, BulkField.ENDPOINT, CHAT_URL if "messages" in jobs[0] else COMPLETIONS_URL)
-                    pipe.hincrby(self.key, BulkField.SUBMITTED, len(jobs))
-                    pipe.hincrby(self.key, BulkField.INVALID, len(bad))
-                    pipe.execute()
+                    cluster = is_cluster(self.conn)
+                    if bad:  # their part is written: counted by the script that writes the bulk's progress event
+                        now = time.time()
+                        count_keys = [self.key, keys.bulk_done_set(self.bulk_id)] + ([] if cluster else [keys.events_stream()])
+                        # (EVAL by hand: a cluster pipeline has no eval(); its keys route it to the bulk's slot)
+                        pipe.execute_command("EVAL", COUNT_LUA, len(count_keys), *count_keys, *count_args(
+                            now, events_maxlen(), self.bulk_id, self.spec.batch_id, submitted=len(jobs), invalid=len(bad)))
+                    else:
+                        pipe.hincrby(self.key, BulkField.SUBMITTED, len(jobs))
+                        pipe.hincrby(self.key, BulkField.INVALID, 0)
+                    counted = pipe.execute()[-1]
+                    if bad and cluster and int(counted[2]):  # the events stream is in another slot
+                        done, failed, total = (int(v) for v in counted[3:6])
+                        queue_event(self.conn, bulk_progress_fields(self.bulk_id, now, done, failed, total,
+                                                                    self.spec.batch_id), events_maxlen())
                     return
                 except redis.WatchError:
                     # the heartbeat's PEXPIRE touched the lease, or the connection dropped
@@ -527,15 +548,18 @@ class Orchestrator:
                            header=manifest_header(self.spec, final.value), on_progress=self._check_lease)
         self._check_lease()
         counts = manifest["request_counts"]
-        pipe = self.conn.pipeline(transaction=True)  # every key here carries the bulk's hash tag
+        now = time.time()
+        pipe = self.conn.pipeline(transaction=True)  # every key here carries the bulk's hash tag (the events stream: single node)
         pipe.hset(self.key, mapping={
-            BulkField.STATUS: final.value, BulkField.FINISHED_AT: repr(time.time()), BulkField.MANIFEST: out.describe("manifest.json"),
+            BulkField.STATUS: final.value, BulkField.FINISHED_AT: repr(now), BulkField.MANIFEST: out.describe("manifest.json"),
             BulkField.FINAL_COUNTS: json.dumps(counts)})
+        late = queue_finished_event(self.conn, pipe, self.bulk_id, final, counts, self.spec.batch_id, ts=now)
         pipe.hdel(self.key, BulkField.FINALIZE_PARTS)
         pipe.delete(keys.bulk_seen_hash(self.bulk_id), keys.bulk_done_set(self.bulk_id),
                     keys.bulk_part_seq(self.bulk_id))
         pipe.expire(self.key, STATUS_TTL_S)
         pipe.execute()
+        write_late_event(self.conn, late)
         self._save_meta(force=True)
         try:
             remove_parts(out)

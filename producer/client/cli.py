@@ -1,4 +1,4 @@
-"""The client's commands: ``pagestream submit PROMPT``, ``tail JOB``, ``cancel|status JOB`` and ``dlq list|show|retry``.
+"""The client's commands: ``pagestream submit PROMPT``, ``tail JOB``, ``cancel|status JOB``, ``events`` and ``dlq list|show|retry``.
 
 No torch and no engine here; ``worker/cli.py`` (the ``pagestream`` root) mounts them. A job or dead letter that does
 not exist is exit status 2 with one line on stderr (see ``producer/protocol/cli.py``).
@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import redis
 import typer
@@ -160,6 +161,50 @@ def status(
     for k in ("bulk_id", "worker", "finish_reason", "completion_tokens", "error"):
         if info[k] is not None:
             typer.echo(f"  {k}: {info[k]}")
+
+
+def events(
+    redis_url: Optional[str] = redis_url_option(),
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep reading new events until Ctrl-C"),
+    job: Optional[str] = typer.Option(None, "--job", show_default="every job", help="only this job's events"),
+    types: Optional[List[str]] = typer.Option(None, "--type", show_default="every type",
+                                              help="only events of this type (repeat for more): queued, started, "
+                                                   "first_token, finished, failed, cancelled, dead_lettered, reclaimed, "
+                                                   "resumed, bulk_progress, bulk_finished"),
+    from_id: Optional[str] = typer.Option(None, "--from", show_default="0; with --follow, $",
+                                          help="start after this event id (0: the oldest kept, $: from now)"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per line: id, the event's fields, ts"),
+) -> None:
+    """The job-event firehose (ps:events): one line per event, oldest first. Ctrl-C quits."""
+    from pagestream.producer import Producer
+    from pagestream.producer.protocol.events import EventType
+
+    try:
+        for t in types or ():
+            EventType(t)
+    except ValueError:
+        fail(f"unknown event type {t!r}; one of: {', '.join(e.value for e in EventType)}")
+    start = from_id if from_id is not None else "$" if follow else "0"
+    try:
+        with Producer(_client(redis_url)) as p:
+            for ev in p.events(from_id=start, job=job, types=types or None, follow=follow):
+                typer.echo(json.dumps({"id": ev.id, **ev.fields, "ts": ev.ts}) if as_json else _event_line(ev))
+    except KeyboardInterrupt:
+        pass  # Ctrl-C: the way out of --follow, not an error
+    except BrokenPipeError:  # `pagestream events | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _event_line(ev) -> str:
+    """``ID  TIME  TYPE  SUBJECT  key=value ...``: the subject is the job, or a bulk event's bulk."""
+    from pagestream.producer.protocol.events import EventField
+
+    subject_key = EventField.JOB if ev.job else EventField.BULK
+    when = dt.datetime.fromtimestamp(ev.ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    rest = " ".join(f"{k}={v}" for k, v in ev.fields.items()
+                    if k not in (EventField.TYPE, EventField.JOB, EventField.TS, subject_key))
+    kind = getattr(ev.type, "value", ev.type)
+    return f"{ev.id}  {when}  {kind:<13}  {ev.fields.get(subject_key) or '-'}  {rest}".rstrip()
 
 
 dlq_app = typer.Typer(help="The dead-letter stream: jobs that were invalid or failed every delivery.",

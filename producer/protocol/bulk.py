@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from pagestream.producer.protocol.events import EventField, EventType
 from pagestream.producer.protocol.schema import Lane
 from pagestream.producer.protocol.wire import as_str
 
@@ -105,6 +106,11 @@ class BulkSpec(BaseModel):
     # read as calls (the gateway's /v1/batches passes its own setting); None: an auto line is an error line
     tool_call_parser: str | None = None
 
+    @property
+    def batch_id(self) -> str | None:
+        """The Batch API batch this bulk is (a batch's id is its bulk id), None for a plain bulk."""
+        return self.bulk_id if self.input_file_id is not None else None
+
     @field_validator("tool_call_parser")
     @classmethod
     def _known_parser(cls, v: str | None) -> str | None:
@@ -160,19 +166,57 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
-# KEYS: bulk hash, done set. ARGV: custom_id, ok(1/0), custom_id, ok, ... Each custom_id is
-# counted once (the done set), as completed or failed, when its part is durable (worker.bulk_sink).
+E = EventField
+
+# KEYS: bulk hash, done set, events stream (single node only; on a cluster it is in another slot and the caller
+# writes the event from the counts returned). ARGV: ts, events maxlen, bulk id, batch id ('' for none), lines
+# submitted, invalid lines, then custom_id, ok(1/0), custom_id, ok, ... Each custom_id is counted once (the done
+# set), as completed or failed, when its part is durable (worker.bulk_sink); the orchestrator counts the lines it
+# submitted and the invalid ones it wrote to a part of its own. When the script changed what is done (a line counted,
+# or invalid lines), it writes one ``bulk_progress`` event with the counts after the change (producer.protocol.events).
+# Returns {completed, failed, event written 1/0, done, failed + invalid, total}.
 COUNT_LUA = f"""
 local completed, failed = 0, 0
-for i = 1, #ARGV, 2 do
+for i = 7, #ARGV, 2 do
   if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
     if ARGV[i + 1] == '1' then completed = completed + 1 else failed = failed + 1 end
   end
 end
+local submitted, invalid = tonumber(ARGV[5]), tonumber(ARGV[6])
 if completed > 0 then redis.call('HINCRBY', KEYS[1], '{B.COMPLETED}', completed) end
 if failed > 0 then redis.call('HINCRBY', KEYS[1], '{B.FAILED}', failed) end
-return {{completed, failed}}
+if submitted > 0 then redis.call('HINCRBY', KEYS[1], '{B.SUBMITTED}', submitted) end
+if invalid > 0 then redis.call('HINCRBY', KEYS[1], '{B.INVALID}', invalid) end
+if completed + failed + invalid == 0 then return {{completed, failed, 0, 0, 0, 0}} end
+local c = redis.call('HMGET', KEYS[1], '{B.COMPLETED}', '{B.FAILED}', '{B.INVALID}', '{B.SKIPPED}', '{B.SUBMITTED}')
+local n = {{}}
+for i = 1, 5 do n[i] = tonumber(c[i] or '0') or 0 end
+local done, bad, total = n[1] + n[2] + n[3] + n[4], n[2] + n[3], n[5] + n[3]
+if KEYS[3] then
+  local ev = {{'XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', '{E.TYPE}', '{EventType.BULK_PROGRESS.value}', '{E.JOB}', '',
+              '{E.TS}', ARGV[1], '{E.BULK}', ARGV[3]}}
+  if ARGV[4] ~= '' then
+    table.insert(ev, '{E.BATCH}')
+    table.insert(ev, ARGV[4])
+  end
+  for _, kv in ipairs({{{{'{E.DONE}', done}}, {{'{E.FAILED}', bad}}, {{'{E.TOTAL}', total}}}}) do
+    table.insert(ev, kv[1])
+    table.insert(ev, string.format('%d', kv[2]))
+  end
+  redis.call(unpack(ev))
+end
+return {{completed, failed, 1, done, bad, total}}
 """
+
+
+def count_args(ts: float, maxlen: int, bulk_id: str, batch_id: str | None, submitted: int = 0, invalid: int = 0,
+               lines: list[tuple[str, bool]] = ()) -> list[str]:
+    """``COUNT_LUA``'s ARGV: (custom_id, ok) per line of a durable part; ``submitted`` / ``invalid`` from the feed."""
+    args = [repr(float(ts)), str(maxlen), bulk_id, batch_id or "", str(submitted), str(invalid)]
+    for custom_id, ok in lines:
+        args += [custom_id or "", "1" if ok else "0"]
+    return args
+
 
 # KEYS: bulk hash, done set. ARGV: custom_ids. Counted only while the bulk is cancelling:
 # a final bulk has dropped its done set, and SADD would bring it back without a TTL.

@@ -8,14 +8,27 @@ consumer, the gateway's dashboard). An entry's fields are flat strings:
 - ``type``: one of ``EventType``;
 - ``job``: the job id (bulk and batch events: empty);
 - ``ts``: epoch seconds when the change happened;
-- then, where they apply: ``model``, ``lane``, ``tenant``, ``worker``, ``finish_reason``, ``tokens`` (output tokens),
-  ``queue_s`` / ``run_s`` (seconds queued / running), ``ttft_s`` (seconds from submit to the first token, on
-  ``first_token``), ``error``, ``bulk`` (bulk id), ``batch`` (batch id), ``done`` / ``failed`` / ``total`` (bulk
-  progress counts), ``deliveries``.
+- then, where they apply: ``model``, ``lane``, ``tenant``, ``worker``, ``finish_reason``, ``tokens`` (output tokens;
+  on ``resumed``: the tokens an earlier delivery published, which the job continues from), ``queue_s`` / ``run_s``
+  (seconds queued / running), ``ttft_s`` (seconds from submit to the first token, on ``first_token``), ``error``,
+  ``bulk`` (bulk id), ``batch`` (batch id: a Batch API batch's, which is its bulk id), ``done`` / ``failed`` /
+  ``total`` (bulk counts), ``status`` (a bulk's final status), ``from_worker`` (on ``reclaimed``: the consumer
+  that held the entry), ``deliveries``.
 
 ``first_token`` is written once per job, by the worker's publisher, in the flush that writes the job's first token
 entry (index 0, whichever sample has it first); a job resumed after a worker died writes it only if no token had
 been published before. Bulk jobs (no out stream, no ``started``) write none.
+
+``reclaimed`` and ``resumed`` go with the ``started`` of a delivery that took a job over: ``reclaimed`` just before
+it, for an entry this worker took from another consumer's PEL (XAUTOCLAIM after the lease lapsed, or an entry a
+stopping worker handed back) or found in its own PEL after a restart under the same name; ``resumed`` just after it,
+when the job continues from tokens an earlier delivery published (``tokens`` says how many). A kill -9 mid-job reads
+``queued, started, first_token, reclaimed, started, resumed, finished``; see ARCHITECTURE.md ("Job events").
+
+``bulk_progress`` is written by the script that counts a committed part's lines (the bulk sink's part, or the
+orchestrator's part of invalid input lines) when it changes the counts: ``done`` (lines answered, ok or not,
+skipped included), ``failed`` (failed and invalid lines), ``total`` (lines read so far: the input's once it is all
+read). ``bulk_finished`` is written once, with the bulk's final status: its final counts, ``status``, ``error``.
 """
 from __future__ import annotations
 
@@ -67,6 +80,8 @@ class EventField:
     FAILED = "failed"
     TOTAL = "total"
     DELIVERIES = "deliveries"
+    STATUS = "status"
+    FROM_WORKER = "from_worker"
 
 
 #: the stream's approximate bound (``XADD MAXLEN ~``) unless ``PAGESTREAM_EVENTS_MAXLEN`` says otherwise
@@ -121,6 +136,33 @@ def first_token_fields(job: str, ts: float, since: float, worker: str | None = N
     submit time where known, else its start), with the worker and model that ran it where known."""
     return event_fields(EventType.FIRST_TOKEN, job, ts, model=model, worker=worker,
                         ttft_s=round(ts - since, 6))
+
+
+def reclaimed_fields(job: str, ts: float, worker: str, from_worker: str | None, deliveries: int) -> dict[str, str]:
+    """The event of a delivery that took a job over: who took it, from whom (where known), which delivery."""
+    return event_fields(EventType.RECLAIMED, job, ts, worker=worker, from_worker=from_worker or None,
+                        deliveries=deliveries)
+
+
+def resumed_fields(job: str, ts: float, worker: str, tokens: int) -> dict[str, str]:
+    """The event of a job that continues from ``tokens`` tokens an earlier delivery published."""
+    return event_fields(EventType.RESUMED, job, ts, worker=worker, tokens=tokens)
+
+
+def bulk_progress_fields(bulk: str, ts: float, done: int, failed: int, total: int,
+                         batch: str | None = None) -> dict[str, str]:
+    """A bulk's progress after a committed part (``COUNT_LUA`` writes the same fields on a single node)."""
+    return event_fields(EventType.BULK_PROGRESS, "", ts, bulk=bulk, batch=batch or None, done=done, failed=failed,
+                        total=total)
+
+
+def bulk_finished_fields(bulk: str, ts: float, status: str, counts: dict[str, int], batch: str | None = None,
+                         error: str | None = None) -> dict[str, str]:
+    """A bulk's end: its final status and counts (``counts``: OpenAI's ``request_counts``, total / completed / failed)."""
+    failed = int(counts.get("failed", 0))
+    return event_fields(EventType.BULK_FINISHED, "", ts, bulk=bulk, batch=batch or None, status=status,
+                        done=int(counts.get("completed", 0)) + failed, failed=failed, total=int(counts.get("total", 0)),
+                        error=error or None)
 
 
 @dataclass(frozen=True, slots=True)
