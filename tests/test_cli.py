@@ -88,7 +88,12 @@ def test_events_prints_filters_and_follows_the_firehose_until_ctrl_c(redis_url):
             wait_for(lambda: any(e["job"] == c for e in got), 30, "the followed event")
         finally:
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(15) == 0, proc.stderr.read()
+            try:
+                code, why = proc.wait(15), ""
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code, why = None, f"still running 15 s after SIGINT; its stderr: {proc.communicate()[1]}"
+            assert code == 0, why or proc.stderr.read()
         reader.join(5)
         assert [(e["type"], e["job"]) for e in got] == [("queued", b), ("cancelled", a), ("queued", c)]
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import signal
 import sys
+import threading
 from typing import List, Optional
 
 import redis
@@ -185,9 +187,15 @@ def events(
     except ValueError:
         fail(f"unknown event type {t!r}; one of: {', '.join(e.value for e in EventType)}")
     start = from_id if from_id is not None else "$" if follow else "0"
+    stopping = threading.Event()
+    if follow:
+        # Ctrl-C (or a TERM) ends the follow at its next read, within a second. The handler raises nothing: a
+        # KeyboardInterrupt that lands in a finalizer is swallowed there ("Exception ignored"), and the loop went on.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stopping.set())
     try:
         with Producer(_client(redis_url)) as p:
-            for ev in p.events(from_id=start, job=job, types=types or None, follow=follow):
+            for ev in p.events(from_id=start, job=job, types=types or None, follow=follow, stop=stopping.is_set):
                 typer.echo(json.dumps({"id": ev.id, **ev.fields, "ts": ev.ts}) if as_json else _event_line(ev))
     except KeyboardInterrupt:
         pass  # Ctrl-C: the way out of --follow, not an error

@@ -241,17 +241,19 @@ class Producer:
 
 
     def events(self, from_id: str = "0", job: str | None = None, types: Iterable[EventType | str] | None = None,
-               follow: bool = False, block_s: float = 1.0, count: int = 500) -> Iterator[Event]:
+               follow: bool = False, block_s: float = 1.0, count: int = 500,
+               stop: Callable[[], bool] | None = None) -> Iterator[Event]:
         """The job-event firehose (``producer.protocol.events``), oldest first, after ``from_id``:
         ``"0"`` from the oldest event kept, ``"$"`` from now, else an event's ``id`` (to resume).
         ``job`` and ``types`` keep only that job's / those types' events. Without ``follow`` it ends
-        at the stream's end; with it, it blocks for new events (``block_s`` per XREAD) until closed.
+        at the stream's end; with it, it blocks for new events (``block_s`` per XREAD) until closed,
+        or until ``stop()`` answers True (asked after every read, so within ``block_s``).
         """
         keep = _event_filter(job, types)
         stream = keys.events_stream()
         if from_id == "$":  # pinned now, so events written between two blocking reads are not skipped
             from_id = _last_id(self.redis.xrevrange(stream, count=1))
-        while True:
+        while stop is None or not stop():
             entries = _entries(self.redis.xread({stream: from_id}, count=count, block=int(block_s * 1000) if follow else None))
             if not entries and not follow:
                 return
