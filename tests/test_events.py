@@ -136,6 +136,27 @@ def test_a_poison_entry_is_reported_dead_lettered(r, redis_url, producer, worker
     assert ev.fields["error"]
 
 
+def test_a_job_that_fails_reports_failed_with_its_error_then_dead_lettered(r, redis_url, producer, workers):
+    import json
+    import time
+
+    from pagestream.producer.protocol.wire import JOB_FIELD
+
+    w = workers(redis_url, "fake:1", "ev-fail")
+    w.wait_ready(60)
+    # a raw entry that names its job but asks for what no job may (the worker fails it, with the reason)
+    r.xadd(keys.jobs_stream("normal", None), {JOB_FIELD: json.dumps({"job_id": "ev-bad", "prompt": "x", "max_tokens": -1})})
+    deadline = time.monotonic() + 30
+    seen = []
+    for ev in producer.events(job="ev-bad", follow=True, block_s=0.2, stop=lambda: time.monotonic() > deadline):
+        seen.append(ev)
+        if ev.type == EventType.DEAD_LETTERED:
+            break
+    assert [e.type for e in seen] == [EventType.FAILED, EventType.DEAD_LETTERED], seen
+    assert "max_tokens" in seen[0].fields["error"] and seen[0].fields["error"] == seen[1].fields["error"]
+    assert producer.result("ev-bad", timeout=5).status == JobStatus.FAILED
+
+
 def test_kill9_mid_job_reports_reclaimed_started_resumed_then_finished(r, redis_url, producer, workers):
     a = workers(redis_url, "fake:20", "ev-kill-a", "--lease-ms", "1000")
     a.wait_ready(60)
