@@ -176,8 +176,9 @@ async def bulks(client: Any, tenant: Tenant) -> list[dict[str, Any]]:
                                                           BulkField.FAILED, BulkField.SKIPPED)}
         status = h.get(BulkField.STATUS, "")
         done = counts[BulkField.COMPLETED] + counts[BulkField.FAILED] + counts[BulkField.INVALID] + counts[BulkField.SKIPPED]
-        # the total is known once the whole input is read; before that, the lines read so far
-        total = counts[BulkField.SUBMITTED] + counts[BulkField.INVALID] + counts[BulkField.SKIPPED]
+        # the total is known once the whole input is read; before that, the lines read so far (a skipped line is
+        # a submitted one that a cancel skipped: counted in SUBMITTED already, as OpenAI's request_counts count it)
+        total = counts[BulkField.SUBMITTED] + counts[BulkField.INVALID]
         final = status in {s.value for s in BulkStatus if s.is_final}
         rows.append({"id": b, "status": status, "model": model, **counts, "done": done, "total": total,
                      "input_done": bool(h.get(BulkField.INPUT_DONE)), "final": final,
