@@ -334,7 +334,9 @@ def test_two_workers_two_models_each_job_on_its_own_model(stack):
                     res = p.result(jid, timeout=120)
                     assert res.ok and res.worker == consumer and res.model == model
         c = client(stack)
-        assert sorted(m.id for m in c.models.list()) == sorted([MODEL, "other-model"])
+        # both listed (polled: on a loaded machine a late heartbeat can let an announcement lapse for a moment)
+        wait_for(lambda: sorted(m.id for m in c.models.list()) == sorted([MODEL, "other-model"]), 15,
+                 "both models on /v1/models")
         assert c.completions.create(model="other-model", prompt="hi", max_tokens=2).model == "other-model"
     finally:
         other.stop()

@@ -199,7 +199,7 @@ def test_a_list_of_20000_prompts_is_a_400_naming_both_numbers_and_queues_nothing
     r = httpx.post(f"{gw.base_url}/completions", json={"model": "m", "prompt": [[1]] * 20_000, "max_tokens": 1},
                    timeout=30)
     assert r.status_code == 400, r.text
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 5.0  # was 23 s; 0.6 s on a quiet 2-core machine (the test), 2.6 s seen under load
     err = r.json()["error"]
     assert "20000" in err["message"] and "256" in err["message"] and err["param"] == "prompt", err
     assert _jobs_in(DB_URL) == before
