@@ -34,8 +34,9 @@ from pagestream.producer.protocol import keys
 from pagestream.producer.bulk.parts import TOOL_ANSWER, PartEntry, line_of_job_id, result_entry
 from pagestream.producer.bulk.storage import StorageError, StorageSettings
 from pagestream.producer.bulk.stores import Storage, open_storage, storage_settings_for
-from pagestream.producer.protocol.bulk import COUNT_LUA, BulkField, BulkSpec, BulkStatus, count_args
-from pagestream.producer.protocol.events import bulk_progress_fields, events_maxlen, queue_event
+from pagestream.producer.protocol.bulk import (COUNT_LUA, BulkField, BulkSpec, BulkStatus, count_args, count_keys,
+                                              progress_after_count)
+from pagestream.producer.protocol.events import events_maxlen
 from pagestream.producer.protocol.redis_conn import Backoff, is_cluster
 from pagestream.producer.protocol.tools import ToolAnswer
 from pagestream.producer.protocol.wire import as_str
@@ -199,11 +200,9 @@ class BulkSink:
         batch = spec.batch_id if spec is not None else None
         lines = [(entry.custom_id or "", entry.ok) for _, _, entry in buf.items]
         now = time.time()
-        count_keys = [key, keys.bulk_done_set(bulk_id)] + ([] if self._cluster else [keys.events_stream()])
-        counted = self._count(keys=count_keys, args=count_args(now, events_maxlen(), bulk_id, batch, lines=lines))
-        if self._cluster and int(counted[2]):
-            done, failed, total = (int(v) for v in counted[3:6])
-            queue_event(self.redis, bulk_progress_fields(bulk_id, now, done, failed, total, batch), events_maxlen())
+        counted = self._count(keys=count_keys(bulk_id, self._cluster),
+                              args=count_args(now, events_maxlen(), bulk_id, batch, lines=lines))
+        progress_after_count(self.redis, self._cluster, counted, bulk_id, now, batch)
         # The submit left a job hash per bulk job; mark it final and let it expire like any result.
         pipe = self.redis.pipeline(transaction=False)
         for (job_id, ttl), (_, _, entry) in zip(buf.jobs, buf.items):

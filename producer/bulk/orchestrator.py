@@ -40,10 +40,11 @@ from pagestream.producer.bulk.storage import StorageError, StorageSettings
 from pagestream.producer.bulk.stores import open_input, open_storage, storage_settings_for
 from pagestream.producer.client.producer import Producer
 from pagestream.producer.protocol.errors import RequestError
-from pagestream.producer.protocol.bulk import COUNT_LUA, REFRESH_LEASE_LUA, BulkField, BulkSpec, BulkStatus, count_args, request_counts
+from pagestream.producer.protocol.bulk import (COUNT_LUA, REFRESH_LEASE_LUA, BulkField, BulkSpec, BulkStatus, count_args,
+                                              count_keys, progress_after_count, request_counts)
 from pagestream.producer.protocol.bulk import decode as decode_bulk
 from pagestream.producer.protocol.limits import job_limits
-from pagestream.producer.protocol.events import bulk_progress_fields, events_maxlen, queue_event
+from pagestream.producer.protocol.events import events_maxlen
 from pagestream.producer.protocol.redis_conn import is_cluster, outage_proof, outage_retry, same_server
 from pagestream.producer.protocol.settings import redis_url as main_redis_url
 from pagestream.producer.protocol.settings import rq_redis_url
@@ -455,21 +456,17 @@ class Orchestrator:
                         pipe.hset(self.key, mapping=mapping)
                     if jobs:  # the Batch object's endpoint, for bulks not created with one (producer.bulk.batches)
                         pipe.hsetnx(self.key, BulkField.ENDPOINT, CHAT_URL if "messages" in jobs[0] else COMPLETIONS_URL)
-                    cluster = is_cluster(self.conn)
+                    cluster, now = is_cluster(self.conn), time.time()
                     if bad:  # their part is written: counted by the script that writes the bulk's progress event
-                        now = time.time()
-                        count_keys = [self.key, keys.bulk_done_set(self.bulk_id)] + ([] if cluster else [keys.events_stream()])
+                        ck = count_keys(self.bulk_id, cluster)
                         # (EVAL by hand: a cluster pipeline has no eval(); its keys route it to the bulk's slot)
-                        pipe.execute_command("EVAL", COUNT_LUA, len(count_keys), *count_keys, *count_args(
+                        pipe.execute_command("EVAL", COUNT_LUA, len(ck), *ck, *count_args(
                             now, events_maxlen(), self.bulk_id, self.spec.batch_id, submitted=len(jobs), invalid=len(bad)))
                     else:
                         pipe.hincrby(self.key, BulkField.SUBMITTED, len(jobs))
-                        pipe.hincrby(self.key, BulkField.INVALID, 0)
-                    counted = pipe.execute()[-1]
-                    if bad and cluster and int(counted[2]):  # the events stream is in another slot
-                        done, failed, total = (int(v) for v in counted[3:6])
-                        queue_event(self.conn, bulk_progress_fields(self.bulk_id, now, done, failed, total,
-                                                                    self.spec.batch_id), events_maxlen())
+                    written = pipe.execute()
+                    if bad:
+                        progress_after_count(self.conn, cluster, written[-1], self.bulk_id, now, self.spec.batch_id)
                     return
                 except redis.WatchError:
                     # the heartbeat's PEXPIRE touched the lease, or the connection dropped

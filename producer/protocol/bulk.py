@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from pagestream.producer.protocol.events import EventField, EventType
+from pagestream.producer.protocol import keys
+from pagestream.producer.protocol.events import EventField, EventType, bulk_progress_fields, events_maxlen, queue_event
 from pagestream.producer.protocol.schema import Lane
 from pagestream.producer.protocol.wire import as_str
 
@@ -216,6 +217,20 @@ def count_args(ts: float, maxlen: int, bulk_id: str, batch_id: str | None, submi
     for custom_id, ok in lines:
         args += [custom_id or "", "1" if ok else "0"]
     return args
+
+
+def count_keys(bulk_id: str, cluster: bool) -> list[str]:
+    """``COUNT_LUA``'s KEYS: the bulk's hash and done set, and the events stream on a single node (on a cluster it is
+    in another slot, and ``progress_after_count`` writes the event)."""
+    return [keys.bulk_hash(bulk_id), keys.bulk_done_set(bulk_id)] + ([] if cluster else [keys.events_stream()])
+
+
+def progress_after_count(conn: Any, cluster: bool, counted: list, bulk_id: str, ts: float, batch: str | None) -> None:
+    """On a cluster, the ``bulk_progress`` event ``COUNT_LUA`` could not write, from the counts it returned (``counted``),
+    just after it; nothing on a single node (the script wrote it) or when the script changed no count."""
+    if cluster and int(counted[2]):
+        done, failed, total = (int(v) for v in counted[3:6])
+        queue_event(conn, bulk_progress_fields(bulk_id, ts, done, failed, total, batch), events_maxlen())
 
 
 # KEYS: bulk hash, done set. ARGV: custom_ids. Counted only while the bulk is cancelling:
