@@ -111,25 +111,49 @@ REDIS_DB = int(os.environ.get("PAGESTREAM_TEST_REDIS_DB", "9"))
 # except in the files of _SPLIT, whose tests are independent and take up to minutes of CPU each: there
 # every test is a unit of its own. Units are handed out costliest first (the longest-processing-time
 # rule), so no long one starts last and leaves the other processes idle; _COST is each file's seconds
-# in a full xdist run (BENCHMARKS.md, "Test time", has the serial figures), and only its order matters. A file not listed
-# costs 0 and keeps its place in collection order.
+# in a full xdist run (its tests' wall times summed, from PAGESTREAM_TEST_TIMELINE below), and only its order
+# matters. A file not listed costs 0 and keeps its place in collection order.
 _SPLIT = {"test_engine_parity", "test_structured_engine", "test_structured_output", "test_queue_e2e",
           "test_properties", "test_kernels"}
-_COST = {"test_engine_parity": 1291, "test_structured_engine": 954, "test_queue_e2e": 616, "test_tool_calls": 433,
-         "test_structured_output": 367, "test_gateway_failures": 366, "test_properties": 188, "test_kernels": 160,
-         "test_bulk_e2e": 151, "test_responses": 146, "test_tensor_parallel": 134, "test_http_fuzz": 131,
-         "test_engine_process": 107, "test_gateway_smollm2": 95, "test_bulk_faults": 87, "test_tenant_limits": 83,
-         "test_bulk": 82, "test_layout": 79, "test_ops_cli": 76, "test_batch_lines": 74, "test_clients_tools": 72,
-         "test_serve": 69, "test_bulk_hostile": 68, "test_model_families": 66, "test_security": 64}
+_COST = {"test_queue_e2e": 183, "test_tool_calls": 137, "test_engine_parity": 99, "test_gateway_failures": 82,
+         "test_structured_engine": 82, "test_bulk_e2e": 82, "test_properties": 66, "test_gateway_smollm2": 59,
+         "test_clients_tools": 46, "test_batch_tools": 45, "test_tenant_limits": 45, "test_tensor_parallel": 44,
+         "test_lm_eval": 41, "test_responses": 39, "test_clients_compat": 37, "test_engine_process": 35,
+         "test_fuzz_entries": 35, "test_bulk_outage": 33, "test_cached_tokens": 26, "test_kernels": 25,
+         "test_worker": 23, "test_serve": 23, "test_structured_output": 22, "test_batch_lines": 22,
+         "test_bulk_faults": 22, "test_http_fuzz": 22, "test_async_scheduling": 21, "test_chat_template": 20,
+         "test_webhook": 20, "test_serve_demo": 18, "test_structured_budget": 18, "test_gateway": 16,
+         "test_bulk_resume": 15, "test_layout": 15, "test_top": 14, "test_dashboard": 14, "test_gateway_metrics": 14,
+         "test_events": 14, "test_model_families": 11, "test_gateway_bounds": 11}
+
+
+def _unit(nodeid: str) -> str:
+    """The scheduling unit of a test: its file's name, or the test itself in a file of _SPLIT."""
+    module = nodeid.partition("::")[0].rpartition("/")[2].removesuffix(".py")
+    return nodeid if module in _SPLIT else module
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which would answer first
+def pytest_xdist_make_scheduler(config, log):
+    # xdist's loadgroup reads each unit from an `@group` suffix that its worker appends to `item._nodeid`, which
+    # pytest 9 no longer reads (a node's id is `_id`): every test became a unit of its own, and a file's module
+    # fixtures (servers, models) started in each process. The controller groups the nodeids itself here.
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return FileUnits(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    if getattr(config.option, "dist", "no") != "loadgroup":
+    # in xdist's worker processes (which collect, each the same list) `dist` reads "no" and `loadgroup` True; the
+    # controller hands units out in this order (--no-loadscope-reorder)
+    if not getattr(config.option, "loadgroup", False):
         return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            module = item.module.__name__.rpartition(".")[2]
-            item.add_marker(pytest.mark.xdist_group(item.nodeid if module in _SPLIT else module))
 
     def cost(item) -> tuple:
         module = item.module.__name__.rpartition(".")[2]
@@ -239,3 +263,25 @@ tiny_mistral_dir = _tiny_model_fixture("mistral")
 tiny_gemma2_dir = _tiny_model_fixture("gemma2")
 tiny_opt_dir = _tiny_model_fixture("opt")
 tiny_opt_post_ln_dir = _tiny_model_fixture("opt-post-ln")
+
+
+_TIMELINE = os.environ.get("PAGESTREAM_TEST_TIMELINE")
+
+
+def pytest_runtest_protocol(item, nextitem):
+    # PAGESTREAM_TEST_TIMELINE=path: each test's start and end (wall clock), per xdist process, to find the
+    # run's idle tail and which tests overlap (BENCHMARKS.md, "Test time")
+    if _TIMELINE:
+        import time
+
+        with open(f"{_TIMELINE}.{_XDIST_WORKER or 'main'}", "a") as f:
+            f.write(f"start {time.time():.2f} {item.nodeid}\n")
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if _TIMELINE:
+        import time
+
+        with open(f"{_TIMELINE}.{_XDIST_WORKER or 'main'}", "a") as f:
+            f.write(f"end {time.time():.2f} {nodeid}\n")
+
