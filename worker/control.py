@@ -53,10 +53,11 @@ class ControlThread(threading.Thread):
                 now = time.monotonic()
                 if now >= next_refresh:
                     next_refresh = now + refresh_every
-                    by_lane: dict[str, list[str]] = {}
-                    for lane, eid in state.held() + list(self.bulk.pending()):
-                        by_lane.setdefault(lane, []).append(eid)
-                    lost = self.consumer.refresh_leases(by_lane)
+                    with state.leases:
+                        by_lane: dict[str, list[str]] = {}
+                        for lane, eid in state.held() + list(self.bulk.pending()):
+                            by_lane.setdefault(lane, []).append(eid)
+                        lost = self.consumer.refresh_leases(by_lane)
                     if lost:
                         state.report_lost(lost)
                 if now >= next_trim:

@@ -22,6 +22,11 @@ class LoopState:
         self._lost: set[Entry] = set()  # held entries another consumer took over
         self.stats_snapshot: dict[str, Any] = {}  # replaced whole by the loop, read by the control thread
         self.stopping = threading.Event()  # set at teardown: the control thread exits
+        # Held across a lease refresh (the control thread: read the held entries, reset their idle times) and
+        # across a release (the loop: hand entries back, idle past the lease, and stop holding them). Without it a
+        # refresh that read an entry just before its release reset the idle time the release had set, and the
+        # entry, still ours in the PEL, waited out a whole lease before another worker could take it.
+        self.leases = threading.Lock()
 
     # -- held entries ----------------------------------------------------------------------
 

@@ -253,8 +253,9 @@ class Worker:
             self._release([Delivery(lane, eid, None, 0) for lane, eid in self.state.held()])  # 0: count left as is
 
     def _release(self, deliveries: list[Delivery], count_delivery: bool = False) -> None:
-        self.consumer.release(deliveries, count_delivery=count_delivery)
-        self.state.unhold((d.lane, d.entry_id) for d in deliveries)
+        with self.state.leases:  # no lease refresh between the two (LoopState.leases)
+            self.consumer.release(deliveries, count_delivery=count_delivery)
+            self.state.unhold((d.lane, d.entry_id) for d in deliveries)
 
     def _teardown(self) -> None:
         # Jobs still in the engine (drain timed out, cold stop, max_steps) are aborted and released.
