@@ -102,15 +102,22 @@ def paged_decode_attention(
         mask &= pos[None, :] >= ctx - sliding_window
     group = num_heads // num_kv_heads
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = soft_cap(torch.einsum("skgd,stkd->skgt", qg, k.float()) * scale, logit_softcap)  # [S, kvh, group, T]
-    # Slots past a context may hold anything (NaN from torch.empty): the scores there
-    # are replaced outright, and V is zeroed, since a zero weight times NaN is NaN.
-    outside = ~mask
-    scores.masked_fill_(outside[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    v = v.float()  # a fresh gathered copy, so it may be zeroed in place
-    v.masked_fill_(outside[:, :, None, None], 0.0)
-    out = torch.einsum("skgt,stkd->skgd", probs, v)  # [S, kvh, group, d]
+    # Slots past a context may hold anything (NaN from torch.empty): a zero weight times NaN is NaN, so K and V
+    # (fresh gathered copies) are zeroed there, as whole rows (index_fill_: ~10x cheaper on the CPU than a
+    # masked_fill_ with a broadcast mask), and the scores there are masked out.
+    outside = (~mask).reshape(-1).nonzero().squeeze(1)
+    k, v = k.float(), v.float()
+    for t in (k, v):
+        t.view(num_seqs * nb * block_size, -1).index_fill_(0, outside, 0.0)
+    if logit_softcap is None:
+        # one fused SDPA call: a kv head's group of query heads are its queries ([S, kvh, group, d] against
+        # [S, kvh, T, d]), ~4x faster on the CPU than the einsums below
+        out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
+                                             scale=scale)
+        return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    scores = soft_cap(torch.einsum("skgd,stkd->skgt", qg, k) * scale, logit_softcap)  # [S, kvh, group, T]
+    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+    out = torch.einsum("skgt,stkd->skgd", scores.softmax(dim=-1), v)  # [S, kvh, group, d]
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
@@ -131,9 +138,16 @@ def paged_prefill_attention(
     _check_gqa(num_heads, num_kv_heads)
     check_window_and_softcap(sliding_window, logit_softcap)
     out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    ctx = context_lens.tolist()
-    for i in range(len(ctx)):
+    _prefill_into(out, q, k_cache, v_cache, block_tables, cu_seqlens_q.tolist(), context_lens.tolist(), scale,
+                  sliding_window, logit_softcap, range(len(context_lens)))
+    return out
+
+
+def _prefill_into(out, q, k_cache, v_cache, block_tables, cu: list[int], ctx: list[int], scale: float,
+                  sliding_window: int | None, logit_softcap: float | None, seqs) -> None:
+    """paged_prefill_attention's rows of the sequences ``seqs``, written into ``out``."""
+    num_heads, num_kv_heads, block_size = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    for i in seqs:
         start, end = cu[i], cu[i + 1]
         q_len, ctx_len = end - start, ctx[i]
         if q_len == 0:
@@ -158,12 +172,39 @@ def paged_prefill_attention(
             scores = soft_cap(qi @ k.repeat_interleave(group, 0).transpose(1, 2) * scale, logit_softcap)
             o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.repeat_interleave(group, 0)
         out[start:end] = o.transpose(0, 1).to(q.dtype)  # o: [H, q_len, d]
+
+
+def paged_mixed_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, tokens in cache incl. the new ones
+    scale: float,
+    max_seqlen_q: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """A step that mixes decode sequences (one query each) with prefill chunks: the same function of its
+    inputs as paged_prefill_attention, with the one-query sequences batched through paged_decode_attention
+    (as the Triton op splits it) instead of attended one by one."""
+    cu, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
+    single = [i for i in range(len(ctx)) if cu[i + 1] - cu[i] == 1]
+    if len(single) < 2:
+        return paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                                       max_seqlen_q, sliding_window, logit_softcap)
+    _check_gqa(q.shape[1], k_cache.shape[2])
+    check_window_and_softcap(sliding_window, logit_softcap)
+    out = torch.empty_like(q)
+    seqs = torch.tensor(single, device=q.device)
+    rows = torch.tensor([cu[i] for i in single], device=q.device)
+    out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale,
+                                       sliding_window, logit_softcap)
+    chosen = set(single)
+    _prefill_into(out, q, k_cache, v_cache, block_tables, cu, ctx, scale, sliding_window, logit_softcap,
+                  [i for i in range(len(ctx)) if i not in chosen])
     return out
-
-
-# The Triton op splits a mixed step between the decode and prefill kernels; the result is the same
-# function of its inputs, which this reference computes in one pass.
-paged_mixed_attention = paged_prefill_attention
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, V] -> [rows] int64, the first index of each row's max
