@@ -178,8 +178,9 @@ def test_acceptance_kill9_worker_and_orchestrator_real_workers(redis_url, moto_u
     valid, bad_lines = write_acceptance_input(inp, n=4000, n_bad=40)
     s3.upload_file(str(inp), "acc2", "in.jsonl")  # the resumed orchestrator reads on with a ranged GET
     r = connect(redis_url, decode_responses=True)
-    # fake:20 = the fake engine with a 20 ms step, so the run is long enough to kill mid-way
-    procs = {f"w{i}": spawn_worker(redis_url, "fake:20", f"acc2-w{i}", env) for i in range(2)}
+    # fake:10 = the fake engine with a 10 ms step, so the run is long enough to kill mid-way (the kill comes once
+    # worker 0 flushed its first part; the feed is still held back by max_outstanding)
+    procs = {f"w{i}": spawn_worker(redis_url, "fake:10", f"acc2-w{i}", env) for i in range(2)}
     procs["orch"] = spawn_bulk_worker(redis_url, env)
     try:
         bulk_id = submit_bulk("s3://acc2/in.jsonl", "s3://acc2/out", redis_url=redis_url, shard_lines=1500,
@@ -199,7 +200,7 @@ def test_acceptance_kill9_worker_and_orchestrator_real_workers(redis_url, moto_u
             procs[name].send_signal(signal.SIGKILL)
             procs[name].wait()
         assert lane_group(connect(redis_url), "low")["pending"] > 0
-        procs["w2"] = spawn_worker(redis_url, "fake:20", "acc2-w2", env)
+        procs["w2"] = spawn_worker(redis_url, "fake:10", "acc2-w2", env)
         procs["orch2"] = spawn_bulk_worker(redis_url, env)
         st = wait_final(r, bulk_id, 300)
     finally:

@@ -2,7 +2,7 @@
 
 A redis-server of the test's own (a free loopback port, AOF with fsync always, so what
 was acknowledged survives ``kill -9``) is killed while ``pagestream bulk-worker`` feeds a
-bulk to a worker process, stays down ~10 s (longer than the orchestrator's lease) and is
+bulk to a worker process, stays down 6 s (twice the orchestrator's lease) and is
 started again on the same files. The bulk-worker and the worker keep running, and the
 bulk completes exactly once: one output line per custom_id.
 """
@@ -26,7 +26,7 @@ from test_bulk_support import free_port
 from tests.queue_helpers import ROOT, WorkerProc, wait_for
 from zygote import spawn
 
-OUTAGE_S = 10.0
+OUTAGE_S = 6.0  # twice the orchestrator's lease (PAGESTREAM_BULK_LEASE_S below)
 
 
 class RedisServer:
@@ -70,7 +70,7 @@ def own_redis(tmp_path):
 
 
 def test_bulk_worker_rides_out_a_redis_outage_and_the_bulk_completes_exactly_once(own_redis, tmp_path):
-    env = {**os.environ, "PAGESTREAM_BULK_LEASE_S": "5", "PAGESTREAM_BULK_FLUSH_LINES": "40",
+    env = {**os.environ, "PAGESTREAM_BULK_LEASE_S": "3", "PAGESTREAM_BULK_FLUSH_LINES": "40",
            "PAGESTREAM_BULK_FLUSH_INTERVAL_S": "0.5", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     inp, out = tmp_path / "in.jsonl", tmp_path / "out"
@@ -79,7 +79,7 @@ def test_bulk_worker_rides_out_a_redis_outage_and_the_bulk_completes_exactly_onc
     orch_log = open(tmp_path / "bulk-worker.log", "w")
     orch = spawn([sys.executable, "-m", "pagestream.worker.cli", "bulk-worker", "--redis-url", own_redis.url,
                              "--rescue-interval-s", "1"], cwd=ROOT, env=env, stdout=orch_log, stderr=subprocess.STDOUT)
-    worker = WorkerProc(own_redis.url, "fake:20", "outage-w", "--lanes", "low", "--lease-ms", "3000",
+    worker = WorkerProc(own_redis.url, "fake:5", "outage-w", "--lanes", "low", "--lease-ms", "3000",
                         log_dir=tmp_path, env=env)
     try:
         worker.wait_ready(60)

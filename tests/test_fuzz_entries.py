@@ -168,8 +168,10 @@ def cases(draw) -> list[Case]:
 def _check(r: redis.Redis, url: str, batch: list[Case]) -> None:
     r.flushdb()
     engine = FakeEngine(FakeConfig(max_num_seqs=8))
+    # lease_ms: the control thread blocks in XREAD for a third of the lease (up to 0.5 s), and closing the Worker
+    # of each example joins it: 150 ms waits 50 ms at most there (no reclaim runs, so no lease lapses)
     w = Worker(r, engine, WorkerSettings(
-        redis_url=url, consumer="fuzz", publish_interval_ms=1, lease_ms=600, reclaim_interval_s=3600, max_entry_bytes=MAX_ENTRY_BYTES,
+        redis_url=url, consumer="fuzz", publish_interval_ms=1, lease_ms=150, reclaim_interval_s=3600, max_entry_bytes=MAX_ENTRY_BYTES,
         dead_letter_payload_bytes=1024, max_deliveries=3,
     ))
     with Producer.from_url(url) as p:
