@@ -55,9 +55,10 @@ demo: install compile
 	$(PY) -m pagestream.worker.demo
 
 # test files spread over PYTEST_WORKERS processes (xdist, a file's tests together so its module
-# fixtures start once); PYTEST_WORKERS=0 runs them in this process, one after another. 2 on the 2-core
-# machine: serially the suite kept one core busy and left the other idle (BENCHMARKS.md, "Test time")
-PYTEST_WORKERS ?= 2
+# fixtures start once); PYTEST_WORKERS=0 runs them in this process, one after another. 3 on the 2-core
+# machine: with 2 the cores sat idle a third of the run while tests waited on leases, graces and
+# subprocesses (BENCHMARKS.md, "Test time")
+PYTEST_WORKERS ?= 3
 PYTEST_ARGS := -q -p no:cacheprovider --durations=40 $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder,)
 
 # Bytecode: uv installs without .pyc files (pip writes them), and where PYTHONDONTWRITEBYTECODE is set (this
