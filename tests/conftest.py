@@ -268,20 +268,19 @@ tiny_opt_post_ln_dir = _tiny_model_fixture("opt-post-ln")
 _TIMELINE = os.environ.get("PAGESTREAM_TEST_TIMELINE")
 
 
-def pytest_runtest_protocol(item, nextitem):
-    # PAGESTREAM_TEST_TIMELINE=path: each test's start and end (wall clock), per xdist process, to find the
+def _timeline(event: str, nodeid: str) -> None:
+    # PAGESTREAM_TEST_TIMELINE=path: each test's start and end (wall clock), a file per xdist process, to find the
     # run's idle tail and which tests overlap (BENCHMARKS.md, "Test time")
     if _TIMELINE:
         import time
 
         with open(f"{_TIMELINE}.{_XDIST_WORKER or 'main'}", "a") as f:
-            f.write(f"start {time.time():.2f} {item.nodeid}\n")
+            f.write(f"{event} {time.time():.2f} {nodeid}\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _timeline("start", nodeid)
 
 
 def pytest_runtest_logfinish(nodeid, location):
-    if _TIMELINE:
-        import time
-
-        with open(f"{_TIMELINE}.{_XDIST_WORKER or 'main'}", "a") as f:
-            f.write(f"end {time.time():.2f} {nodeid}\n")
-
+    _timeline("end", nodeid)
