@@ -7,41 +7,27 @@ them, and the tests assert what that user notices. One module-scoped ``pagestrea
 SmolLM2 (CPU) answers where the text matters (stream equals invoke, structured output parses); a
 fake-engine worker on the same Redis serves ``fake-model`` through the same gateway where it does not.
 
-Both libraries are kept off the network: LiteLLM reads its bundled model map and sends no telemetry,
-LangSmith tracing is off (set before either is imported).
+Both libraries are kept off the network and imported at first use (tests/client_libs.py).
 """
 from __future__ import annotations
 
 import asyncio
-import os
+import pytest
+import redis
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
-os.environ.setdefault("LITELLM_TELEMETRY", "False")
-os.environ.setdefault("LANGSMITH_TRACING", "false")
-os.environ.setdefault("LANGCHAIN_TRACING_V2", "false")
+from pydantic import BaseModel
 
-
-import pytest  # noqa: E402
-import redis  # noqa: E402
-
-litellm = pytest.importorskip("litellm")
-langchain_openai = pytest.importorskip("langchain_openai")
-from pydantic import BaseModel  # noqa: E402
-
-from gateway_helpers import DB_URL, ServeProc  # noqa: E402
-from pagestream.producer import Producer  # noqa: E402
-from pagestream.worker.fake_engine import FakeTokenizer  # noqa: E402
-from private_redis import free_port  # noqa: E402
-from queue_helpers import WorkerProc, wait_for  # noqa: E402
+from client_libs import langchain_openai, litellm  # imported at first use
+from gateway_helpers import DB_URL, ServeProc
+from pagestream.producer import Producer
+from pagestream.worker.fake_engine import FakeTokenizer
+from private_redis import free_port
+from queue_helpers import WorkerProc, wait_for
 
 pytestmark = [pytest.mark.slow,
               # LiteLLM's own pydantic models warn at import (ReadOnly TypedDicts, deprecated attribute access)
               pytest.mark.filterwarnings("ignore:.*ReadOnly:UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-
-litellm.telemetry = False
-litellm.suppress_debug_info = True  # its "Give Feedback" banner on every exception
 
 SMOL = "smollm2"
 FAKE = "fake-model"

@@ -7,41 +7,26 @@ a user drives it: a named tool (and LangChain's ``"any"``, OpenAI's ``required``
 arguments validate against the tool's schema, whole and streamed (the streamed chunks added up by the library
 itself give the same call), then the tool's result sent back and answered in text.
 
-Both libraries are kept off the network (set before either is imported), as in test_clients_compat.py.
+Both libraries are kept off the network and imported at first use (tests/client_libs.py).
 """
 from __future__ import annotations
 
 import json
-import os
+from pathlib import Path
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
-os.environ.setdefault("LITELLM_TELEMETRY", "False")
-os.environ.setdefault("LANGSMITH_TRACING", "false")
-os.environ.setdefault("LANGCHAIN_TRACING_V2", "false")
+import jsonschema
+import pytest
+import redis
 
-from pathlib import Path  # noqa: E402
-from typing import Literal  # noqa: E402
-
-import jsonschema  # noqa: E402
-import pytest  # noqa: E402
-import redis  # noqa: E402
-
-litellm = pytest.importorskip("litellm")
-langchain_openai = pytest.importorskip("langchain_openai")
-from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402
-
-from gateway_helpers import DB_URL, ServeProc  # noqa: E402
-from pagestream.producer import Producer  # noqa: E402
-from private_redis import free_port  # noqa: E402
-from queue_helpers import wait_for  # noqa: E402
+from client_libs import langchain_messages, langchain_openai, litellm  # imported at first use
+from gateway_helpers import DB_URL, ServeProc
+from pagestream.producer import Producer
+from private_redis import free_port
+from queue_helpers import wait_for
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:.*ReadOnly:UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-
-litellm.telemetry = False
-litellm.suppress_debug_info = True
 
 MODEL = "smol-tools"
 KEY = "sk-unused"
@@ -110,7 +95,7 @@ def test_langchain_bind_tools_named_whole_and_streamed_then_the_tool_result(base
     assert streamed["name"] == "get_weather" and streamed["args"] == call["args"]
     # the tool's answer goes back as a ToolMessage; the model answers in text
     answer = _lc(base_url, max_tokens=24).bind_tools(TOOLS, tool_choice="none").invoke(
-        [HumanMessage(ASK), msg, ToolMessage(json.dumps({"temperature": 21, "unit": "celsius"}), tool_call_id=call["id"])])
+        [langchain_messages.HumanMessage(ASK), msg, langchain_messages.ToolMessage(json.dumps({"temperature": 21, "unit": "celsius"}), tool_call_id=call["id"])])
     assert answer.content.strip() and not answer.tool_calls
 
 

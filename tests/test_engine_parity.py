@@ -39,6 +39,7 @@ class HFReference:
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.cache = {}
+        self.top2_cache = {}  # (prompt, our tokens) -> HF's top-2: the small pool's run repeats the roomy one's
 
     def greedy(self, prompt):
         """(token ids, per-step gap between HF's top-2 logits) of HF's own greedy ``generate``."""
@@ -52,12 +53,15 @@ class HFReference:
             self.cache[prompt] = (toks, gaps)
         return self.cache[prompt]
 
-    def next_token_logits(self, prompt, got):
-        """HF's logits for each of ``got``'s positions, given the prompt and ``got`` before it (one forward)."""
-        ids = self.tok(prompt).input_ids
-        with torch.no_grad():
-            logits = self.model(torch.tensor([ids + list(got)])).logits[0]
-        return logits[len(ids) - 1: len(ids) - 1 + len(got)]
+    def top2(self, prompt, got):
+        """HF's top-2 logits at each of ``got``'s positions, given the prompt and ``got`` before it (one forward)."""
+        key = (prompt, tuple(got))
+        if key not in self.top2_cache:
+            ids = self.tok(prompt).input_ids
+            with torch.no_grad():
+                logits = self.model(torch.tensor([ids + list(got)])).logits[0]
+            self.top2_cache[key] = logits[len(ids) - 1: len(ids) - 1 + len(got)].topk(2)
+        return self.top2_cache[key]
 
     @property
     def eos_ids(self):
@@ -71,7 +75,7 @@ def assert_parity(llm, hf, prompts, report):
     for prompt, out in zip(prompts, outs):
         got = out.outputs[0].token_ids
         assert got and len(got) <= MAX_TOKENS
-        top2 = hf.next_token_logits(prompt, got).topk(2)
+        top2 = hf.top2(prompt, got)
         tied = False
         for i, tok in enumerate(got):
             want, gap = int(top2.indices[i, 0]), float(top2.values[i, 0] - top2.values[i, 1])
