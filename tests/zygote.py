@@ -69,8 +69,41 @@ _FREE_KEYS = {"PYTHONUNBUFFERED", "OMP_NUM_THREADS", "REDIS_URL", "COLUMNS", "LI
               "TOKENIZERS_PARALLELISM", "HF_HUB_ENABLE_HF_TRANSFER", "KMP_DUPLICATE_LIB_OK"}
 
 
+_START_CWD = os.getcwd()  # in the zygote: the directory its own PYTHONPATH was read in
+
+
 def _fixed_env(env: dict) -> dict:
-    return {k: v for k, v in env.items() if not (k.startswith(_FREE_PREFIXES) or k in _FREE_KEYS)}
+    fixed = {k: v for k, v in env.items() if not (k.startswith(_FREE_PREFIXES) or k in _FREE_KEYS)}
+    if _pythonpath_is_free(env.get("PYTHONPATH")):
+        fixed.pop("PYTHONPATH", None)
+    return fixed
+
+
+def _path_entries(pythonpath: str | None, cwd: str | None = None) -> list[str]:
+    """PYTHONPATH's directories as a fresh interpreter puts them on ``sys.path`` (absolute, as ``site`` makes them)."""
+    return [os.path.abspath(os.path.join(cwd or os.getcwd(), p)) for p in (pythonpath or "").split(os.pathsep) if p]
+
+
+def _pythonpath_is_free(pythonpath: str | None) -> bool:
+    """Whether a child may take this PYTHONPATH in a zygote started without it: Python reads it once, at startup,
+    into ``sys.path`` (``_become`` puts it there), unless a directory of it holds what a fresh interpreter would
+    have run or imported before the command: a ``sitecustomize``/``usercustomize``, or a module or regular package
+    under the name of one already imported here (which the zygote's preloads roughly are). The bulk tests put the
+    checkout's root there, which holds neither (its ``kernels`` is a namespace portion that never outranks an
+    installed package)."""
+    taken = {name.partition(".")[0] for name in sys.modules}
+    for entry in _path_entries(pythonpath):
+        try:
+            names = os.listdir(entry)
+        except OSError:
+            continue
+        for name in names:
+            stem = name[:-3] if name.endswith(".py") else name
+            if stem in ("sitecustomize", "usercustomize"):
+                return False
+            if stem in taken and (name.endswith(".py") or os.path.isfile(os.path.join(entry, name, "__init__.py"))):
+                return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -173,9 +206,14 @@ def _become(req: dict) -> None:
     os.chdir(req["cwd"])
     if req.get("start_new_session"):
         os.setsid()
-    old_threads = os.environ.get("OMP_NUM_THREADS")
+    old_threads, old_pythonpath = os.environ.get("OMP_NUM_THREADS"), os.environ.get("PYTHONPATH")
     os.environ.clear()
     os.environ.update(req["env"])
+    if os.environ.get("PYTHONPATH") != old_pythonpath:  # allowed only where _pythonpath_is_free said so
+        for entry in _path_entries(old_pythonpath, _START_CWD):
+            if entry in sys.path[1:]:
+                sys.path.remove(entry)
+        sys.path[1:1] = _path_entries(os.environ.get("PYTHONPATH"))  # after the script's or the working directory
     new_threads = os.environ.get("OMP_NUM_THREADS")
     if new_threads != old_threads and "torch" in sys.modules:
         import torch
