@@ -255,8 +255,8 @@ def test_worker_reconnects_when_redis_drops_its_connections(r, redis_url, produc
             time.sleep(0.2)
         assert killed >= 3
         # A read whose reply the dropped connection lost leaves its entries in this consumer's PEL unknown to it:
-        # they are reclaimed once their lease lapses (lease_ms, 30 s, then within a reclaim interval), not lost.
-        deadline = time.monotonic() + 30 + w.settings.lease_ms / 1000 + w.settings.reclaim_every_s
+        # the next reclaim round (every lease_ms / 4) finds and starts them, well before their lease would lapse.
+        deadline = time.monotonic() + 30 + w.settings.reclaim_every_s
         for j in ids:
             res = producer.result(j, timeout=max(1.0, deadline - time.monotonic()))
             assert res.status == JobStatus.COMPLETED
@@ -267,6 +267,39 @@ def test_worker_reconnects_when_redis_drops_its_connections(r, redis_url, produc
         t.join(30)
     assert not t.is_alive()
 
+
+
+@pytest.mark.also_on_cluster
+def test_entries_a_lost_read_left_in_its_pel_start_at_the_next_reclaim_round_not_after_their_lease(r, redis_url, producer):
+    # A read whose reply a dropped connection lost (redis-py retried the command on a fresh connection): Redis
+    # delivered the entries to this consumer, so they are in its PEL, but the worker never saw them.
+    w = make_worker(r, redis_url, consumer="w1", lease_ms=600_000, reclaim_interval_s=0.05)  # a lease that never ends here
+    first = producer.submit(prompt="first", max_tokens=8, seed=9)
+    try:
+        for _ in range(50):  # started (its own PEL recovered, empty), then paused with `first` in flight
+            w.run(max_steps=1)
+            if w.jobs.num_running():
+                break
+        assert w.jobs.num_running() == 1
+        ids = [producer.submit(prompt=f"lost {i}", max_tokens=3, seed=i) for i in range(3)]
+        taken = set()
+        for stream in {stream_of_job(r, j) for j in ids}:  # the read whose reply never reached the worker
+            for _, entries in r.xreadgroup("workers", "w1", {stream: ">"}, count=10) or []:
+                taken.update(json.loads(f[b"job"])["job_id"] for _, f in entries)
+        assert taken == set(ids)
+        time.sleep(0.1)  # a reclaim round is due
+        w.run(burst=True)
+    finally:
+        w.close()
+    assert producer.result(first, timeout=2).status == JobStatus.COMPLETED
+    for i, j in enumerate(ids):
+        res = producer.result(j, timeout=2)
+        assert res.status == JobStatus.COMPLETED and res.deliveries == 2  # the lost read, then the worker's own
+        assert res.text == w.engine.expected_text(f"lost {i}", seed=i, max_tokens=3)
+        # not a takeover: a plain start, no reclaimed event
+        evs = [e.type.value for e in producer.events(job=j) if e.type.value != "queued"]
+        assert evs == ["started", "first_token", "finished"]
+    assert r.xpending(stream_of_job(r, ids[0]), "workers")["pending"] == 0
 
 def test_trim_drops_acked_entries_but_never_the_pending_backlog(r, redis_url):
     from pagestream.worker.consumer import Consumer

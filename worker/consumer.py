@@ -52,13 +52,23 @@ OVERSIZED_FIELD = b"__oversized_bytes__"
 # max_bytes down to its first keep_bytes before it leaves Redis: whatever a raw XADD
 # queued, one pull costs the worker at most count x max_bytes. A reclaimed entry comes
 # with a third element: the consumer that held it (for the ``reclaimed`` event).
-# KEYS: stream. ARGV: 'read'|'claim', group, consumer, count, id (read) or min_idle_ms (claim), max_bytes, keep_bytes
+# KEYS: stream. ARGV: 'read'|'claim'|'ids', group, consumer, count, id (read) or min_idle_ms (claim), max_bytes,
+# keep_bytes, then (ids) the entry ids
 _READ_LUA = """
 local entries
 if ARGV[1] == 'read' then
   local resp = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', ARGV[4], 'STREAMS', KEYS[1], ARGV[5])
   if not resp then return {} end
   entries = resp[1][2]
+elseif ARGV[1] == 'ids' then
+  -- entries of this consumer's PEL by id (ARGV[8] on), claimed again to it (a delivery each); deleted ones drop out
+  entries = {}
+  for _, e in ipairs(redis.call('XCLAIM', KEYS[1], ARGV[2], ARGV[3], 0, unpack(ARGV, 8))) do
+    if type(e) == 'table' then
+      if e[2] == nil then e[2] = false end
+      table.insert(entries, e)
+    end
+  end
 else
   -- who held each entry before it is claimed (the same entries XAUTOCLAIM takes: idle past the lease, oldest first)
   local owner = {}
@@ -145,10 +155,11 @@ class Consumer:
         """Entries of one lane (``_READ_LUA``), oversized ones cut down, fields as a dict (None: deleted)."""
         return [(row[0], row[1]) for row in self._pull_rows(lane, mode, count, arg)]
 
-    def _pull_rows(self, lane: str, mode: str, count: int, arg: str | int) -> list[tuple]:
+    def _pull_rows(self, lane: str, mode: str, count: int, arg: str | int, ids: list[str] = ()) -> list[tuple]:
         """``_pull``'s rows; a reclaimed one has a third element, the consumer that held it."""
         rows = self._read_cut(keys=[self.stream(lane)], args=[
             mode, self.group, self.name, count, arg, self.settings.max_entry_bytes, self.settings.dead_letter_payload_bytes,
+            *ids,
         ])
         return [(row[0], dict(zip(row[1][::2], row[1][1::2])) if row[1] else None, *row[2:]) for row in rows]
 
@@ -202,6 +213,36 @@ class Consumer:
                 break
             # held by an earlier process under this name: taken over as a reclaim is
             out.extend(self._with_counts(lane, self._pull(lane, "read", max_count - len(out), "0"), from_self=True))
+        return out
+
+    def recover_unknown(self, known: set[tuple[str, str]], max_count: int) -> list[Delivery]:
+        """Entries in this consumer's PEL that are not in ``known`` (what the worker holds): a read whose reply a
+        dropped connection lost (redis-py retries the command on a fresh connection, so the worker never saw
+        those entries, which would otherwise wait out their lease before a reclaim took them).
+
+        Cheap when there are none: one XPENDING summary per lane, compared with what ``known`` holds there. Only
+        where this consumer holds more are its entries listed, and the unknown ones claimed again (cut down as any
+        read is; a delivery each, so a job whose first reply was lost reports 2).
+        """
+        return self._regrouped(lambda: self._recover_unknown(known, max_count))
+
+    def _recover_unknown(self, known: set[tuple[str, str]], max_count: int) -> list[Delivery]:
+        pipe = self.redis.pipeline(transaction=False)
+        for lane in self.lanes:
+            pipe.xpending(self.stream(lane), self.group)
+        out: list[Delivery] = []
+        for lane, summary in zip(self.lanes, pipe.execute()):
+            n = max_count - len(out)
+            held_here = sum(1 for held_lane, _ in known if held_lane == lane)
+            ours = next((int(c["pending"]) for c in summary.get("consumers") or [] if as_str(c["name"]) == self.name), 0)
+            if n <= 0 or ours <= held_here:
+                continue
+            pending = self.redis.xpending_range(self.stream(lane), self.group, min="-", max="+", count=ours,
+                                                consumername=self.name)
+            ids = [i for i in (as_str(p["message_id"]) for p in pending) if (lane, i) not in known][:n]
+            if ids:  # never taken over: a first start (no ``reclaimed`` event), with the count Redis keeps
+                rows = self._pull_rows(lane, "ids", len(ids), 0, ids)
+                out.extend(Delivery(d.lane, d.entry_id, d.fields, d.deliveries) for d in self._with_counts(lane, rows))
         return out
 
     def read(self, max_count: int, block_ms: int | None = None) -> list[Delivery]:

@@ -120,6 +120,9 @@ class Intake:
         if now >= self._next_reclaim:
             self._next_reclaim = now + self.settings.reclaim_every_s
             deliveries = self.consumer.reclaim(want)
+            if len(deliveries) < want:  # a read whose reply a dropped connection lost: ours, unknown to us
+                known = set(self.state.held()) | self.bulk.pending() | {(d.lane, d.entry_id) for d in deliveries}
+                deliveries += self.consumer.recover_unknown(known, want - len(deliveries))
         if len(deliveries) < want:
             block_ms = self.settings.block_ms if block and not deliveries else None
             deliveries += self.consumer.read(want - len(deliveries), block_ms=block_ms)
