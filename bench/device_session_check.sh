@@ -5,7 +5,7 @@
 # Carry .whl (bench/fetch_device_wheels.sh; plus .whl/xg/ with xgrammar 0.2.9 and apache-tvm-ffi 0.1.15.post2,
 # installed to /tmp/site-xg and put on PYTHONPATH for the structured run alone, so the gateway runs as
 # gateway_device_check.sh has it, without xgrammar) and .before (`git archive 798cfba | tar -x -C .before`).
-# The flood and serving steps are gateway_device_check.sh's, with the flood on db 2 of the machine's own redis-server.
+# The serving step is gateway_device_check.sh's; the flood is bench/device_flood.sh, on db 2 of the machine's own redis-server.
 set -uo pipefail
 mode=${1:-pair}
 OUT=${OUT:-/tmp/out}
@@ -45,18 +45,7 @@ for k in ("ratio_tok_per_s", "ratio_tok_per_s_same_lens", "ratio_tok_per_s_sync"
     print(k, r.get(k))
 EOF
   echo "== flood (issue 38 / 37)"
-  redis-server --port 6379 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes >/dev/null
-  python3 -c "import redis, time
-for _ in range(100):
-    try: redis.Redis(port=6379).ping(); break
-    except redis.ConnectionError: time.sleep(0.1)"
-  for checkers in 2 0; do
-    echo "== flood, body_check_processes=$checkers"
-    timeout 150 python3 bench/gateway_flood.py --seconds 45 --clients 4 --checkers $checkers --redis-url redis://127.0.0.1:6379/2 \
-      --out "$OUT/gateway_flood_checkers$checkers.json" > "$OUT/gateway_flood_checkers$checkers.log" 2>&1 \
-      || tail -20 "$OUT/gateway_flood_checkers$checkers.log"
-    python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))" "$OUT/gateway_flood_checkers$checkers.json"
-  done
+  bash bench/device_flood.sh 45 redis://127.0.0.1:6379/2
   redis-cli -p 6379 shutdown nosave >/dev/null 2>&1 || python3 -c "import redis; redis.Redis(port=6379).shutdown(nosave=True)" 2>/dev/null
   exit 0
 fi

@@ -12,14 +12,4 @@ pairs=${2:-2}
 nproc; nvidia-smi --query-gpu=name --format=csv,noheader
 echo "== serving pair"
 python3 bench/serving_pair.py --tree . --against .before --pairs "$pairs" --max-wall-s 300 --out $OUT 2>&1 | tail -16
-redis-server --port 6379 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes >/dev/null
-python3 -c "import redis, time
-for _ in range(100):
-    try: redis.Redis(port=6379).ping(); break
-    except redis.ConnectionError: time.sleep(0.1)"
-for checkers in 2 0; do
-  echo "== flood, body_check_processes=$checkers"
-  python3 bench/gateway_flood.py --seconds "$secs" --clients 4 --checkers $checkers \
-    --out $OUT/gateway_flood_checkers$checkers.json > $OUT/gateway_flood_checkers$checkers.log 2>&1 || tail -20 $OUT/gateway_flood_checkers$checkers.log
-  python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))" $OUT/gateway_flood_checkers$checkers.json
-done
+bash bench/device_flood.sh "$secs"
