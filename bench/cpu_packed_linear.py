@@ -1,7 +1,8 @@
-"""oneDNN's packed weights for the CPU linear layers, measured (not used by the engine): SmolLM2's four projection
-kinds over 30 layers at 10 rows, F.linear against ``torch.ops.mkldnn._linear_pointwise`` on weights packed with
-``_reorder_linear_weight``; then SmolLM2 itself (10 greedy sequences x 48 tokens, EOS ignored) before and after its
-projections are swapped to packed weights in the same process, with the tokens compared.
+"""oneDNN's packed weights for the CPU linear layers and the LM head (``CausalLM.pack_for_cpu``, which the engine
+applies to every CPU model it loads), measured against MKL's F.linear on the plain weights: SmolLM2's four
+projection kinds over 30 layers and its LM head at 10 rows; then SmolLM2 itself (10 greedy sequences x 48 tokens,
+EOS ignored) packed (the engine's default) and after its weights are unpacked again in the same process, with the
+tokens compared.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/cpu_packed_linear.py
 """
@@ -11,6 +12,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from pagestream.engine.layers.parallel import pack_on_cpu, packed_linear
 
 
 def bench(f, n: int) -> float:
@@ -26,11 +29,31 @@ def layers() -> None:
     ws = [(torch.randn(960, 576), torch.randn(576, 576), torch.randn(3072, 576), torch.randn(576, 1536)) for _ in range(30)]
     x, h = torch.randn(rows, 576), torch.randn(rows, 1536)
     ins = (x, x, x, h)
-    packed = [tuple(torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in layer) for layer in ws]
+    packed = [tuple(pack_on_cpu(w) for w in layer) for layer in ws]
     plain = bench(lambda: [F.linear(i, w) for layer in ws for w, i in zip(layer, ins)], 20)
-    fast = bench(lambda: [torch.ops.mkldnn._linear_pointwise(i, w, None, "none", [], "") for layer in packed
-                          for w, i in zip(layer, ins)], 20)
+    fast = bench(lambda: [packed_linear(i, w) for layer in packed for w, i in zip(layer, ins)], 20)
     print(f"projections of 30 layers, {rows} rows: F.linear {plain:.1f} ms, packed {fast:.1f} ms a step")
+    head = torch.randn(49152, 576)
+    packed_head = pack_on_cpu(head)
+    print(f"LM head 49152 x 576, {rows} rows: F.linear {bench(lambda: F.linear(x, head), 20):.1f} ms, "
+          f"packed {bench(lambda: packed_linear(x, packed_head), 20):.1f} ms")
+
+
+@torch.no_grad()
+def unpack(model) -> int:
+    """Back to plain weights and F.linear (the engine before it packed)."""
+    n = 0
+    for m in model.modules():
+        if getattr(m, "packed_weight", None) is not None:
+            m.weight = torch.nn.Parameter(m.packed_weight.to_dense(), requires_grad=False)
+            m.packed_weight = None
+            n += 1
+    if model.packed_output_embedding is not None:
+        if model.lm_head is not None:
+            model.lm_head.weight = torch.nn.Parameter(model.packed_output_embedding.to_dense(), requires_grad=False)
+        model.packed_output_embedding = None
+        n += 1
+    return n
 
 
 def smollm2() -> None:
@@ -48,13 +71,10 @@ def smollm2() -> None:
         return time.perf_counter() - t, [o.outputs[0].token_ids for o in outs]
 
     (a1, toks), (a2, _) = run(), run()
-    mods = [m for m in llm.llm_engine.runner.model.modules() if type(m).__name__ in ("ColumnParallelLinear", "RowParallelLinear")]
-    for m in mods:
-        m._packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 16)
-        m.forward = lambda x, m=m: torch.ops.mkldnn._linear_pointwise(x, m._packed, m.bias, "none", [], "")
+    n = unpack(llm.llm_engine.runner.model)
     (b1, toks2), (b2, _) = run(), run()
-    print(f"SmolLM2, 10 x 48 tokens: F.linear {a1:.2f} / {a2:.2f} s, packed ({len(mods)} layers) {b1:.2f} / {b2:.2f} s; "
-          f"same tokens: {toks == toks2}")
+    print(f"SmolLM2, 10 x 48 tokens: packed {a1:.2f} / {a2:.2f} s, plain F.linear ({n} weights unpacked) "
+          f"{b1:.2f} / {b2:.2f} s; same tokens: {toks == toks2}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ def build_model(hf_config: dict, dtype: torch.dtype, device: torch.device, load_
         init_dummy_weights(model, seed, std=float(hf_config.get("initializer_range", 0.02)))
     else:
         load_weights(model, model_dir)
+    if device.type == "cpu":
+        model.pack_for_cpu()
     return model.eval()
 
 

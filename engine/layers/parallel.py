@@ -19,6 +19,12 @@ from torch import nn
 from pagestream.engine.parallel_state import TPGroup, current_tp
 
 
+def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if layer.packed_weight is not None:  # the CPU's oneDNN layout (pack_cpu_linears)
+        return packed_linear(x, layer.packed_weight, bias)
+    return F.linear(x, layer.weight, bias)
+
+
 def _check_rows(name: str, loaded, want: int, param: torch.Tensor) -> None:
     shape = list(loaded.get_shape())
     if shape[0] != want or shape[1:] != list(param.shape[1:]):
@@ -37,6 +43,7 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features))  # [out / tp, in]
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
+        self.packed_weight: torch.Tensor | None = None
         for p in self.parameters():
             p.weight_loader = self.weight_loader
             p.tp_sharded = self.tp.size > 1
@@ -54,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
         return cls(in_features, parts, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out / tp]
-        return F.linear(x, self.weight, self.bias)
+        return _linear(self, x, self.bias)
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded, shard: int | None) -> None:
@@ -104,11 +111,12 @@ class RowParallelLinear(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.weight.tp_sharded = self.tp.size > 1
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in / tp] -> [n, out]
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return _linear(self, x, self.bias)
+        y = self.tp.all_reduce(_linear(self, x, None))
         return y if self.bias is None else y + self.bias
 
     @torch.no_grad()
@@ -118,6 +126,35 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"checkpoint shape {tuple(shape)} != model {(param.shape[0], self.in_local * self.tp.size)}")
         start = self.tp.rank * self.in_local
         param.copy_(loaded[:, start : start + self.in_local])
+
+
+def packable_on_cpu(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_on_cpu(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] in oneDNN's packed layout, for ``packed_linear`` (16: the batch-size hint it packs for)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.no_grad()
+def pack_cpu_linears(model: nn.Module) -> int:
+    """Move the float32 weights of a CPU model's column- and row-parallel layers into oneDNN's packed layout, as
+    vLLM's CPU backend prepacks its GEMM weights: a decode step reads every weight once, and oneDNN reads the
+    packed layout faster than MKL's F.linear reads the plain one (BENCHMARKS.md, "Test time"). The plain weight is
+    dropped (the layer's ``weight`` becomes None), so the model's memory stays the same. The results differ from
+    F.linear's by float32 rounding only (the sums run in another order). Returns how many layers were packed."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None and packable_on_cpu(m.weight):
+            m.packed_weight = pack_on_cpu(m.weight)
+            m.weight = None
+            n += 1
+    return n
 
 
 class VocabParallelEmbedding(nn.Module):

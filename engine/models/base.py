@@ -7,7 +7,8 @@ from torch import nn
 
 from pagestream.engine.parallel_state import current_tp
 from pagestream.engine.layers.attention import AttentionMetadata, PagedAttention
-from pagestream.engine.layers.parallel import ParallelLMHead, local_heads
+from pagestream.engine.layers.parallel import (ParallelLMHead, local_heads, pack_cpu_linears, pack_on_cpu, packable_on_cpu,
+                                               packed_linear)
 from pagestream.engine.layers.rotary import rope_settings
 from pagestream.kernels.reference import soft_cap
 
@@ -32,6 +33,7 @@ class CausalLM(nn.Module):
     final_logit_softcap: float | None = None
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    packed_output_embedding: torch.Tensor | None = None  # the LM head in oneDNN's layout (pack_for_cpu)
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,8 +62,22 @@ class CausalLM(nn.Module):
     def output_embedding(self) -> torch.Tensor:  # [padded vocab / tp, hidden]: this rank's rows
         return (self.input_embedding() if self.lm_head is None else self.lm_head).weight
 
+    @torch.no_grad()
+    def pack_for_cpu(self) -> None:
+        """On the CPU, the linear layers and the LM head in oneDNN's packed layout (``pack_cpu_linears``): SmolLM2's
+        head at 8 rows, 27.0 -> 14.8 ms on one core. An untied head's plain weight is dropped; a tied one stays the
+        input embedding, so the packed head is a second copy of it (vocab x hidden floats: 113 MB for SmolLM2)."""
+        pack_cpu_linears(self)
+        head = self.output_embedding()
+        if self.packed_output_embedding is None and packable_on_cpu(head):
+            self.packed_output_embedding = pack_on_cpu(head)
+            if self.lm_head is not None:
+                self.lm_head.weight = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
-        logits = F.linear(hidden, self.output_embedding())  # [n, padded vocab / tp]
+        packed = self.packed_output_embedding
+        # [n, padded vocab / tp]
+        logits = F.linear(hidden, self.output_embedding()) if packed is None else packed_linear(hidden, packed)
         if self.tp.size > 1:  # every rank takes part; rank 0 samples from the whole vocabulary
             logits = self.tp.gather_last_dim(logits)[:, : self.vocab_size]
         return soft_cap(logits, self.final_logit_softcap)
