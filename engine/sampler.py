@@ -211,11 +211,15 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
-        params = [s.params for s in seqs]
+        """Greedy rows take the argmax; only the sampling rows pay for temperature, top-k/p, min-p and noise
+        (a vocabulary's worth of exponential draws a row: on the CPU most of a small model's step)."""
         dev = logits.device
-        n, vocab = logits.shape
-        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev)
-        x = logits / temps[:, None]
+        rows = [i for i, g in enumerate(greedy) if not g]
+        params = [seqs[i].params for i in rows]
+        row_index = torch.tensor(rows, device=dev)
+        x = logits.index_select(0, row_index)
+        m, vocab = x.shape
+        x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
 
         top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
         top_p = [p.top_p for p in params]
@@ -236,15 +240,20 @@ class Sampler:
             x = x.masked_fill(probs < thresh, float("-inf"))
         probs = x.softmax(dim=-1)
 
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            if p.seed is not None and not greedy[i]:
+        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p. A seeded row draws
+        # from its own (seed, sample, position) stream; the others from the engine's generator.
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, p in enumerate(params) if p.seed is None]
+        if len(unseeded) == m:
+            noise.exponential_(generator=self.generator)
+        elif unseeded:
+            noise[unseeded] = torch.empty((len(unseeded), vocab), device=dev).exponential_(generator=self.generator)
+        for j, p in enumerate(params):
+            if p.seed is not None:
+                seq = seqs[rows[j]]
                 self._seeded.manual_seed(seeded_draw_seed(p.seed, seq.sample_index, seq.num_planned_output_tokens))
-                noise[i].exponential_(generator=self._seeded)
+                noise[j].exponential_(generator=self._seeded)
         sampled = (probs / noise).argmax(dim=-1)
-        if any(greedy):
-            g = torch.tensor(greedy, device=dev)
-            sampled = torch.where(g, logits.argmax(dim=-1), sampled)
-        return sampled
+        if m == len(seqs):
+            return sampled
+        return logits.argmax(dim=-1).index_copy_(0, row_index, sampled)
