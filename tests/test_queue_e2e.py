@@ -57,18 +57,27 @@ def _spec(i: int, max_tokens: int) -> dict:
     return d
 
 
-def _reference_texts(llm, specs: list[dict]) -> dict[str, tuple[str, list[int]]]:
+def _reference_outputs(llm, specs: list[dict], **extra) -> dict:
+    """The engine's own output for each spec, alone on one LLM: prompts in one batch, chats in another (a
+    request's tokens do not depend on its batch: seeds draw per (seed, sample, position), and the workers
+    batch these jobs every which way)."""
     from pagestream.engine import SamplingParams
 
-    out = {}
-    for s in specs:
-        params = SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], seed=s.get("seed"))
-        if "messages" in s:
-            o = llm.chat(s["messages"], params, use_tqdm=False)[0]
-        else:
-            o = llm.generate([s["prompt"]], params, use_tqdm=False)[0]
-        out[s["job_id"]] = (o.outputs[0].text, o.outputs[0].token_ids)
-    return out
+    def params(s: dict) -> SamplingParams:
+        return SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], seed=s.get("seed"), **extra)
+
+    prompts = [s for s in specs if "messages" not in s]
+    chats = [s for s in specs if "messages" in s]
+    outs = []
+    if prompts:
+        outs += llm.generate([s["prompt"] for s in prompts], [params(s) for s in prompts], use_tqdm=False)
+    if chats:
+        outs += llm.chat([s["messages"] for s in chats], [params(s) for s in chats], use_tqdm=False)
+    return {s["job_id"]: o.outputs[0] for s, o in zip(prompts + chats, outs, strict=True)}
+
+
+def _reference_texts(llm, specs: list[dict]) -> dict[str, tuple[str, list[int]]]:
+    return {jid: (o.text, o.token_ids) for jid, o in _reference_outputs(llm, specs).items()}
 
 
 _SUBMITTER = """
@@ -196,8 +205,6 @@ def test_kill9_worker_loses_nothing_and_seeded_jobs_resume_exactly(r, redis_url,
 
 def test_kill9_logprobs_published_before_the_crash_stay_and_the_rerun_adds_the_rest_once(
         r, redis_url, producer, workers, tiny_llama_dir, reference_llm):
-    from pagestream.engine import SamplingParams
-
     k = 2
     # 128 tokens for the same reason as the test above: with 40 the victim once finished its jobs
     # between the poll that saw it mid-job and the kill
@@ -210,17 +217,15 @@ def test_kill9_logprobs_published_before_the_crash_stay_and_the_rerun_adds_the_r
     seen, subs = _subscribe_and_wait_mid_job(r, redis_url, producer, specs, "lp-a")
     before_kill = {s["job_id"]: [ev for ev in raw_events(r, s["job_id"]) if not isinstance(ev, str)] for s in specs}
     wa.kill9()
+    refs = _reference_outputs(reference_llm, specs, logprobs=k)
     results = {s["job_id"]: producer.result(s["job_id"], timeout=180) for s in specs}
     for t in subs:
         t.join(60)
     resumed = [res for res in results.values() if res.resumed_from > 0]
     assert resumed, "the kill should have interrupted jobs with published tokens"
     for s in specs:
-        jid, res = s["job_id"], results[s["job_id"]]
+        jid, res, ref = s["job_id"], results[s["job_id"]], refs[s["job_id"]]
         assert res.status == JobStatus.COMPLETED, res
-        params = SamplingParams(max_tokens=n_tokens, temperature=s["temperature"], seed=s.get("seed"), logprobs=k)
-        ref = (reference_llm.chat(s["messages"], params, use_tqdm=False) if "messages" in s
-               else reference_llm.generate([s["prompt"]], params, use_tqdm=False))[0].outputs[0]
         assert res.token_ids == ref.token_ids, jid
         # one entry per token, in order: none lost to the crash, none published twice by the rerun
         assert [lp.token_id for lp in res.logprobs] == res.token_ids

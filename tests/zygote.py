@@ -124,6 +124,13 @@ def _preload() -> None:
             getattr(transformers, attr)
         except Exception:  # noqa: BLE001
             pass
+    # What the preloads made lives as long as every child: in the GC's permanent generation, a child's collections
+    # (an engine's start-up `gc.collect()`, engine/heap.py) walk only what it allocated itself, and never write
+    # to (copy) the inherited pages' GC headers.
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def _serve(path: str) -> dict:
