@@ -20,8 +20,11 @@ LATEST_PY := $(LATEST_VENV)/bin/python
 .PHONY: install lock compile demo test test-fast test-latest bench-cpu clean
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q "$(PIP_SPEC)" "$(UV_SPEC)"
+	# the venv starts without pip (ensurepip alone took 6 s of a fresh install): the system's pip puts uv in it
+	# (ensurepip where that pip is too old for --python), and uv the pinned pip
+	test -x $(PY) || python3 -m venv --without-pip $(VENV)
+	python3 -m pip --python $(PY) install -q "$(UV_SPEC)" 2>/dev/null || { $(PY) -m ensurepip -q && $(PY) -m pip install -q "$(UV_SPEC)"; }
+	$(UV) pip install --python $(PY) -q "$(PIP_SPEC)"
 	$(PY) -c "import torch" 2>/dev/null || $(UV) pip install --python $(PY) -q --compile-bytecode --no-deps \
 	  $(if $(PIP_FIND_LINKS),--no-index --find-links $(PIP_FIND_LINKS),) "$(TORCH_SPEC)"
 	$(UV) pip install --python $(PY) -q --compile-bytecode -c $(LOCK) -e '.[all]'
