@@ -135,6 +135,20 @@ def pending_of(r: redis.Redis, lane: str = "normal", group: str = keys.DEFAULT_G
     return out
 
 
+def pending_snapshot(r: redis.Redis, lane: str = "normal", group: str = keys.DEFAULT_GROUP) -> dict[str, int] | None:
+    """``pending_of`` as of one moment, on a cluster too: there a lane's shards are read one after another, and a
+    worker's ack on one shard and its next read on another, landing between two of those reads, were summed as if
+    held at once (a full run once saw 12 on a worker that never holds more than 10). A sweep counts only when the
+    sweep right after it reads the same; None when the lane kept moving through five sweeps."""
+    first = pending_of(r, lane, group)
+    for _ in range(5):
+        second = pending_of(r, lane, group)
+        if second == first:
+            return first
+        first = second
+    return None
+
+
 def lane_group(r: redis.Redis, lane: str = "normal", group: str = keys.DEFAULT_GROUP) -> dict[str, int | None]:
     """The group's ``entries-read``, ``pending`` and ``lag`` on a lane, summed over its shards
     (``lag`` None when Redis cannot tell it for some shard)."""

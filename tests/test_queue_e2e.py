@@ -17,7 +17,7 @@ import pytest
 from pagestream.producer import JobStatus, Producer
 from pagestream.producer.protocol import keys
 from pagestream.producer.protocol.events import EventType
-from tests.queue_helpers import ROOT, WorkerProc, assert_contiguous, engine_core_pid, lane_group, pending_of, pid_alive, raw_events, wait_for
+from tests.queue_helpers import ROOT, WorkerProc, assert_contiguous, engine_core_pid, lane_group, pending_of, pending_snapshot, pid_alive, raw_events, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.also_on_cluster]
 
@@ -284,7 +284,7 @@ def test_backpressure_1000_jobs_pel_bounded_and_late_worker_gets_fair_share(r, r
 
     def sample() -> None:
         while not stop.is_set():
-            for name, n in pending_of(r).items():
+            for name, n in (pending_snapshot(r) or {}).items():
                 peak[name] = max(peak.get(name, 0), n)
             time.sleep(0.002)
 
