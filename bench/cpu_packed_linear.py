@@ -2,7 +2,7 @@
 applies to every CPU model it loads), measured against MKL's F.linear on the plain weights: SmolLM2's four
 projection kinds over 30 layers and its LM head at 10 rows; then SmolLM2 itself (10 greedy sequences x 48 tokens,
 EOS ignored) packed (the engine's default) and after its weights are unpacked again in the same process, with the
-tokens compared.
+tokens compared. Also whether a row's result is the same bit for bit whatever the batch it is in, for both.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/cpu_packed_linear.py
 """
@@ -35,6 +35,14 @@ def layers() -> None:
     print(f"projections of 30 layers, {rows} rows: F.linear {plain:.1f} ms, packed {fast:.1f} ms a step")
     head = torch.randn(49152, 576)
     packed_head = pack_on_cpu(head)
+    w, packed_w, x40 = ws[0][2], packed[0][2], torch.randn(40, 576)
+    whole_plain, whole_packed = F.linear(x40, w), packed_linear(x40, packed_w)
+    sizes = range(1, 34)
+    plain_same = [n for n in sizes if torch.equal(F.linear(x40[:n], w), whole_plain[:n])]
+    packed_same = [n for n in sizes if torch.equal(packed_linear(x40[:n], packed_w), whole_packed[:n])]
+    print(f"gate/up 3072 x 576, the first n of 40 rows alone equal to them in the batch of 40, n in 1-33: "
+          f"F.linear {len(plain_same)}/33 (differs at n = {[n for n in sizes if n not in plain_same]}), "
+          f"packed {len(packed_same)}/33")
     print(f"LM head 49152 x 576, {rows} rows: F.linear {bench(lambda: F.linear(x, head), 20):.1f} ms, "
           f"packed {bench(lambda: packed_linear(x, packed_head), 20):.1f} ms")
 

@@ -216,8 +216,9 @@ class Sampler:
         dev = logits.device
         rows = [i for i, g in enumerate(greedy) if not g]
         params = [seqs[i].params for i in rows]
-        row_index = torch.tensor(rows, device=dev)
-        x = logits.index_select(0, row_index)
+        mixed = len(rows) < len(seqs)  # greedy rows too: only then the sampling rows are picked out (a copy)
+        row_index = torch.tensor(rows, device=dev) if mixed else None
+        x = logits.index_select(0, row_index) if mixed else logits
         m, vocab = x.shape
         x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
 
@@ -254,6 +255,4 @@ class Sampler:
                 self._seeded.manual_seed(seeded_draw_seed(p.seed, seq.sample_index, seq.num_planned_output_tokens))
                 noise[j].exponential_(generator=self._seeded)
         sampled = (probs / noise).argmax(dim=-1)
-        if m == len(seqs):
-            return sampled
-        return logits.argmax(dim=-1).index_copy_(0, row_index, sampled)
+        return logits.argmax(dim=-1).index_copy_(0, row_index, sampled) if mixed else sampled

@@ -145,7 +145,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def pack_cpu_linears(model: nn.Module) -> int:
     """Move the float32 weights of a CPU model's column- and row-parallel layers into oneDNN's packed layout, as
     vLLM's CPU backend prepacks its GEMM weights: a decode step reads every weight once, and oneDNN reads the
-    packed layout faster than MKL's F.linear reads the plain one (BENCHMARKS.md, "Test time"). The plain weight is
+    packed layout faster than MKL's F.linear reads the plain one (BENCHMARKS.md, "Engine (CPU)"). The plain weight is
     dropped (the layer's ``weight`` becomes None), so the model's memory stays the same. The results differ from
     F.linear's by float32 rounding only (the sums run in another order). Returns how many layers were packed."""
     n = 0

@@ -65,8 +65,9 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def pack_for_cpu(self) -> None:
         """On the CPU, the linear layers and the LM head in oneDNN's packed layout (``pack_cpu_linears``): SmolLM2's
-        head at 8 rows, 27.0 -> 14.8 ms on one core. An untied head's plain weight is dropped; a tied one stays the
-        input embedding, so the packed head is a second copy of it (vocab x hidden floats: 113 MB for SmolLM2)."""
+        head (49,152 x 576) at 10 rows 26.6 -> 14.9 ms on one core (BENCHMARKS.md, "Engine (CPU)"). An untied head's
+        plain weight is dropped; a tied one stays the input embedding, so the packed head is a second copy of it
+        (vocab x hidden floats: 113 MB for SmolLM2)."""
         pack_cpu_linears(self)
         head = self.output_embedding()
         if self.packed_output_embedding is None and packable_on_cpu(head):
