@@ -58,12 +58,21 @@ def test_a_job_that_runs_reports_queued_started_first_token_finished_in_order(r,
     assert [e.job for e in producer.events(types=["first_token"])].count(job) == 1  # one per job, not one per token
 
 
+@pytest.mark.also_on_cluster  # there the events stream is a slot of its own, written just after the change
 def test_cancel_while_queued_reports_cancelled_and_from_now_skips_the_past(r, producer):
-    job = producer.submit(prompt="never runs", max_tokens=5)
+    job = producer.submit(prompt="never runs", max_tokens=5, lane="high")
     assert producer.cancel(job) == JobStatus.QUEUED
     assert [e.type for e in producer.events(job=job)] == [EventType.QUEUED, EventType.CANCELLED]
+    assert [e.fields["lane"] for e in producer.events(job=job)] == ["high", "high"]
     assert producer.cancel(job) == JobStatus.CANCELLED  # a second cancel changes nothing: no second event
     assert [e.type for e in producer.events(job=job)] == [EventType.QUEUED, EventType.CANCELLED]
+    # a submit repeated under the same id queues nothing and reports nothing
+    again = producer.submit(prompt="never runs", max_tokens=5, lane="high", job_id=job)
+    assert again == job and [e.type for e in producer.events(job=job)] == [EventType.QUEUED, EventType.CANCELLED]
+    many = producer.submit_many([{"prompt": f"m{i}", "max_tokens": 1, "model": "m"} for i in range(5)],
+                                queue_unserved=True)
+    queued = [e for e in producer.events(types=["queued"]) if e.job in many]
+    assert [e.job for e in queued] == many and {e.fields["model"] for e in queued} == {"m"}
     assert list(producer.events(from_id="$")) == []
     last = list(producer.events())[-1].id
     later = producer.submit(prompt="later", max_tokens=1)
@@ -91,6 +100,7 @@ def test_the_stream_stays_under_its_bound(r, producer, monkeypatch):
     assert newest == ids[299]  # the newest event (the last cancel) is kept
 
 
+@pytest.mark.also_on_cluster
 def test_the_async_producer_reads_the_same_events(redis_url, producer):
     import asyncio
 

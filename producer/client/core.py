@@ -22,7 +22,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 
 from pagestream.producer.protocol import keys
-from pagestream.producer.protocol.events import events_maxlen
+from pagestream.producer.protocol.events import EventType, event_fields, events_maxlen
 from pagestream.producer.protocol.job import RESULT_READ, SCRIPTS, JobField
 from pagestream.producer.protocol.lanes import SINGLE, LaneLayout, layout_args
 from pagestream.producer.protocol.redis_conn import queue_script
@@ -131,16 +131,17 @@ def submit_script_call(job: JobRequest) -> Call:
     )
 
 
-def cancel_script_call(job_id: str, cluster: bool = False) -> Call:
+def cancel_script_call(job_id: str, now: float, cluster: bool = False) -> Call:
     result = JobResult(job_id=job_id, status=JobStatus.CANCELLED, error="cancelled before it started")
-    # on a cluster the cancel stream lives in another slot: ProducerCore.cancel XADDs it after the script
+    # on a cluster the cancel stream and the events stream live in other slots: ProducerCore.cancel writes them
+    # after the script
     job_keys = [keys.job_hash(job_id), keys.out_stream(job_id)]
     return Call(
         "cancel",
         script=True,
         kwargs={
             "keys": job_keys if cluster else [*job_keys, keys.cancel_stream(), keys.events_stream()],
-            "args": [job_id, result.model_dump_json(), repr(time.time()), events_maxlen()],
+            "args": [job_id, result.model_dump_json(), repr(now), events_maxlen()],
         },
     )
 
@@ -251,14 +252,20 @@ class ProducerCore:
         for (job, lane_key, _), entry_id in zip(placed, entry_ids):
             yield Call("claim", script=True, kwargs={"client": pipe, "keys": [keys.job_hash(job.job_id)],
                                                      "args": [as_str(entry_id), lane_key]})
+        # The events stream is a slot of its own: each job's `queued` event goes with its settle, in the same
+        # round trip. Only a job this attempt reserved fresh gets here, and an earlier attempt that reached its
+        # settle left the hash naming an entry (no reservation then), so a job is reported queued at most once.
+        for job, _, _ in placed:
+            yield Call("xadd", (keys.events_stream(), event_fields(EventType.QUEUED, job.job_id, job.created_at,
+                                                                    model=job.model or "", lane=job.lane.value)),
+                       {"maxlen": events_maxlen(), "approximate": True}, on=pipe)
         # ring the idle workers' doorbell once the entries are in (after their XADD round trip),
         # naming the shards, so a woken worker reads those instead of every shard
         for model in sorted({job.model or "" for job, _, _ in placed}):
             shards = sorted({lane_key for job, lane_key, _ in placed if (job.model or "") == model})
             yield Call("xadd", (keys.lane_bell(), {"model": model, "lanes": ",".join(shards)}),
                        {"maxlen": BELL_MAXLEN, "approximate": True}, on=pipe)
-        n_rings = len({job.model or "" for job, _, _ in placed})
-        settled = (yield Call("execute", on=pipe))[:-n_rings]
+        settled = (yield Call("execute", on=pipe))[:len(placed)]
         # a lost claim names the winner; none named (the hash expired meanwhile): keep the entry, a worker runs it
         losers = [(stream, as_str(eid)) for (_, _, stream), eid, (won, winner, _) in zip(placed, entry_ids, settled)
                   if not int(won) and winner]
@@ -303,9 +310,16 @@ class ProducerCore:
         return JobStatus(as_str(st)) if st is not None else None
 
     def cancel(self, job_id: str) -> Steps:
-        st = yield cancel_script_call(job_id, self.cluster)
-        status = JobStatus(as_str(st)) if st else None
-        if self.cluster and status is not None and not status.is_final:
+        now = time.time()
+        reply = yield cancel_script_call(job_id, now, self.cluster)
+        if not reply:
+            return None
+        status, lane = JobStatus(as_str(reply[0])), as_str(reply[1])
+        if self.cluster and status == JobStatus.QUEUED:
+            # the script ended the job: its event, which the script could not write in the events stream's slot
+            yield Call("xadd", (keys.events_stream(), event_fields(EventType.CANCELLED, job_id, now, lane=lane)),
+                       {"maxlen": events_maxlen(), "approximate": True})
+        if self.cluster and not status.is_final:
             # after the job hash says cancel_requested: a worker told first could admit the job before
             # the flag is there. A crash between the two leaves the flag, which intake checks; a
             # retried cancel sends the notice again.

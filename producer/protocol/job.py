@@ -71,13 +71,16 @@ return {{1, id}}
 """
 
 # KEYS: job hash, out stream, cancel stream, events stream (the last two: single node only).
-# ARGV: job id, result json (if still queued), now, events maxlen
+# ARGV: job id, result json (if still queued), now, events maxlen.
+# Returns false for an unknown job, else {status before, lane}: on a cluster the caller writes the
+# `cancelled` event of a job that was queued (the events stream is in another slot).
 CANCEL_LUA = f"""
 local final = {{}}
 for _, s in ipairs({{{_FINAL}}}) do final[s] = true end
-local st = redis.call('HGET', KEYS[1], '{F.STATUS}')
+local st, lane = unpack(redis.call('HMGET', KEYS[1], '{F.STATUS}', '{F.LANE}'))
 if not st then return false end
-if final[st] then return st end
+lane = lane or ''
+if final[st] then return {{st, lane}} end
 redis.call('HSET', KEYS[1], '{F.CANCEL_REQUESTED}', ARGV[3])
 if st == '{JobStatus.QUEUED.value}' then
   local ttl = tonumber(redis.call('HGET', KEYS[1], '{F.RESULT_TTL_S}') or '86400')
@@ -87,13 +90,13 @@ if st == '{JobStatus.QUEUED.value}' then
   redis.call('EXPIRE', KEYS[2], ttl)
   if KEYS[4] then
     redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', '{E.TYPE}', '{EventType.CANCELLED.value}', '{E.JOB}', ARGV[1],
-               '{E.TS}', ARGV[3], '{E.LANE}', redis.call('HGET', KEYS[1], '{F.LANE}') or '')
+               '{E.TS}', ARGV[3], '{E.LANE}', lane)
   end
 end
 if KEYS[3] then  -- on a cluster the cancel stream is in another slot: the caller XADDs it next
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', '10000', '*', 'job_id', ARGV[1])
 end
-return st
+return {{st, lane}}
 """
 
 # Redis Cluster: the job hash and the lane shard are in different slots, so a submit is three
