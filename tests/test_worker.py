@@ -301,6 +301,27 @@ def test_entries_a_lost_read_left_in_its_pel_start_at_the_next_reclaim_round_not
         assert evs == ["started", "first_token", "finished"]
     assert r.xpending(stream_of_job(r, ids[0]), "workers")["pending"] == 0
 
+def test_a_lost_read_recovered_after_another_worker_reclaimed_one_of_its_entries_leaves_that_one_alone(r, redis_url):
+    # recover_unknown lists the consumer's PEL, then claims the entries it does not know again. Another worker
+    # whose reclaim took one of them in between (its lease had lapsed) runs it: the recovery must not take it back.
+    from pagestream.worker.consumer import Consumer
+
+    stream = keys.jobs_stream("normal")
+    ids = [r.xadd(stream, {"job": b"{}"}).decode() for _ in range(3)]
+    c = Consumer(r, WorkerSettings(redis_url=redis_url, consumer="w1"))
+    c.ensure_groups()
+    r.xreadgroup("workers", "w1", {stream: ">"}, count=3)  # the read whose reply w1 never saw
+    listed = [p["message_id"].decode() for p in r.xpending_range(stream, "workers", "-", "+", 10, consumername="w1")]
+    assert listed == ids
+    r.xclaim(stream, "workers", "w2", 0, [ids[1]])  # w2's reclaim, between the listing and the claim
+    rows = c._pull_rows("normal", "ids", 3, 0, listed)
+    assert [row[0].decode() for row in rows] == [ids[0], ids[2]]
+    owners = {p["message_id"].decode(): p["consumer"].decode()
+              for p in r.xpending_range(stream, "workers", "-", "+", 10)}
+    assert owners == {ids[0]: "w1", ids[1]: "w2", ids[2]: "w1"}
+    assert c.recover_unknown({("normal", ids[0])}, 10)[0].entry_id == ids[2]  # the whole call, from the top
+
+
 def test_trim_drops_acked_entries_but_never_the_pending_backlog(r, redis_url):
     from pagestream.worker.consumer import Consumer
 

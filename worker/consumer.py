@@ -61,9 +61,15 @@ if ARGV[1] == 'read' then
   if not resp then return {} end
   entries = resp[1][2]
 elseif ARGV[1] == 'ids' then
-  -- entries of this consumer's PEL by id (ARGV[8] on), claimed again to it (a delivery each); deleted ones drop out
+  -- entries of this consumer's PEL by id (ARGV[8] on), claimed again to it (a delivery each); deleted ones drop out.
+  -- Only those still in this consumer's PEL: one another worker reclaimed since they were listed is its now.
+  local mine = {}
+  for i = 8, #ARGV do
+    if #redis.call('XPENDING', KEYS[1], ARGV[2], ARGV[i], ARGV[i], 1, ARGV[3]) > 0 then table.insert(mine, ARGV[i]) end
+  end
+  if #mine == 0 then return {} end
   entries = {}
-  for _, e in ipairs(redis.call('XCLAIM', KEYS[1], ARGV[2], ARGV[3], 0, unpack(ARGV, 8))) do
+  for _, e in ipairs(redis.call('XCLAIM', KEYS[1], ARGV[2], ARGV[3], 0, unpack(mine))) do
     if type(e) == 'table' then
       if e[2] == nil then e[2] = false end
       table.insert(entries, e)
