@@ -60,10 +60,10 @@ demo: install compile
 	$(PY) -m pagestream.worker.demo
 
 # test files spread over PYTEST_WORKERS processes (xdist, a file's tests together so its module
-# fixtures start once); PYTEST_WORKERS=0 runs them in this process, one after another. 3 on the 2-core
+# fixtures start once); PYTEST_WORKERS=0 runs them in this process, one after another. 4 on the 2-core
 # machine: with 2 the cores sat idle a third of the run while tests waited on leases, graces and
-# subprocesses (BENCHMARKS.md, "Test time")
-PYTEST_WORKERS ?= 3
+# subprocesses, and with 3 the run's second half still used ~1.3 of the 2 cores (BENCHMARKS.md, "Test time")
+PYTEST_WORKERS ?= 4
 PYTEST_ARGS := -q -p no:cacheprovider --durations=40 $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder,)
 
 # Bytecode: uv installs without .pyc files (pip writes them), and where PYTHONDONTWRITEBYTECODE is set (this
