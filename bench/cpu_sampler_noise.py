@@ -6,22 +6,14 @@ row's own again) against ``Sampler._sample`` now (only each seeded row's own), i
 """
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import torch
 
+from cpu_packed_linear import bench  # bench/ is on sys.path when run as a script
 from pagestream.engine.sampler import Sampler, seeded_draw_seed
 
 ROWS, VOCAB = 8, 49152
-
-
-def bench(f, n: int = 50) -> float:
-    f()
-    t = time.perf_counter()
-    for _ in range(n):
-        f()
-    return (time.perf_counter() - t) / n * 1e3
 
 
 def main() -> None:
@@ -41,9 +33,9 @@ def main() -> None:
                 noise[i].exponential_(generator=seeded_gen)
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {ROWS} rows x {VOCAB}")
-    print(f"before: the noise alone (every row, then each seeded row's own) {bench(old_noise):.2f} ms")
+    print(f"before: the noise alone (every row, then each seeded row's own) {bench(old_noise, 50):.2f} ms")
     print(f"now: Sampler._sample whole (temperature, softmax, each seeded row's noise, argmax) "
-          f"{bench(lambda: sampler._sample(logits, seqs, greedy)):.2f} ms")
+          f"{bench(lambda: sampler._sample(logits, seqs, greedy), 50):.2f} ms")
 
 
 if __name__ == "__main__":
