@@ -146,6 +146,12 @@ def cancel_script_call(job_id: str, now: float, cluster: bool = False) -> Call:
     )
 
 
+def event_call(fields: dict[str, str], on: Any = None) -> Call:
+    """The XADD of one event (``producer.protocol.events.queue_event``'s, as a step): on a cluster, where the events
+    stream is a slot of its own and no script of the change can write it."""
+    return Call("xadd", (keys.events_stream(), fields), {"maxlen": events_maxlen(), "approximate": True}, on=on)
+
+
 def live_models_call(now_s: float | None = None) -> Call:
     now_ms = int((now_s if now_s is not None else time.time()) * 1000)
     return Call("zrangebyscore", (keys.model_registry(), now_ms, "+inf"))
@@ -256,9 +262,8 @@ class ProducerCore:
         # round trip. Only a job this attempt reserved fresh gets here, and an earlier attempt that reached its
         # settle left the hash naming an entry (no reservation then), so a job is reported queued at most once.
         for job, _, _ in placed:
-            yield Call("xadd", (keys.events_stream(), event_fields(EventType.QUEUED, job.job_id, job.created_at,
-                                                                    model=job.model or "", lane=job.lane.value)),
-                       {"maxlen": events_maxlen(), "approximate": True}, on=pipe)
+            yield event_call(event_fields(EventType.QUEUED, job.job_id, job.created_at, model=job.model or "",
+                                          lane=job.lane.value), on=pipe)
         # ring the idle workers' doorbell once the entries are in (after their XADD round trip),
         # naming the shards, so a woken worker reads those instead of every shard
         for model in sorted({job.model or "" for job, _, _ in placed}):
@@ -317,8 +322,7 @@ class ProducerCore:
         status, lane = JobStatus(as_str(reply[0])), as_str(reply[1])
         if self.cluster and status == JobStatus.QUEUED:
             # the script ended the job: its event, which the script could not write in the events stream's slot
-            yield Call("xadd", (keys.events_stream(), event_fields(EventType.CANCELLED, job_id, now, lane=lane)),
-                       {"maxlen": events_maxlen(), "approximate": True})
+            yield event_call(event_fields(EventType.CANCELLED, job_id, now, lane=lane))
         if self.cluster and not status.is_final:
             # after the job hash says cancel_requested: a worker told first could admit the job before
             # the flag is there. A crash between the two leaves the flag, which intake checks; a
